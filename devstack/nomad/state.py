@@ -1,0 +1,261 @@
+"""The stand-in's state store: Nomad's tables, one raft-like index that every write raises,
+per-table indexes, and a way to wait until a table passes an index (Nomad's memdb watch sets).
+
+Everything runs on one asyncio loop, so writes need no locks: a writer mutates through the
+methods here, each of which commits, and blocking readers wake within milliseconds because
+every commit sets the events of the tables it touched. Objects are stored as Nomad's own JSON
+(Go field names), so the HTTP layer serves them as they are.
+
+Callers must treat stored dicts as owned by the store: replace them through an upsert rather
+than mutating in place, so that the indexes and the event stream see every change.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+Json = dict[str, Any]
+
+TABLES = ("jobs", "job_versions", "job_summary", "evals", "allocs", "nodes", "scaling_event")
+
+
+@dataclass(frozen=True)
+class Event:
+    """One entry of Nomad's event stream (`nomad/structs/event.go` `Event`)."""
+
+    topic: str  # Job | Evaluation | Allocation | Node
+    type: str  # JobRegistered, EvaluationUpdated, AllocationUpdated, NodeRegistration, ...
+    key: str
+    namespace: str
+    index: int
+    payload: Json
+
+    def to_json(self) -> Json:
+        return {
+            "Topic": self.topic,
+            "Type": self.type,
+            "Key": self.key,
+            "Namespace": self.namespace,
+            "FilterKeys": None,
+            "Index": self.index,
+            "Payload": self.payload,
+        }
+
+
+@dataclass
+class _Pending:
+    tables: set[str] = field(default_factory=set)
+    events: list[tuple[str, str, str, str, Json]] = field(default_factory=list)
+
+
+class StateStore:
+    def __init__(self) -> None:
+        # Nomad's indexes start above zero; a blocking query with index 0 must return at once.
+        self.index = 1
+        self.table_index: dict[str, int] = dict.fromkeys(TABLES, 1)
+        self.jobs: dict[tuple[str, str], Json] = {}
+        self.job_versions: dict[tuple[str, str], list[Json]] = {}
+        self.job_summaries: dict[tuple[str, str], Json] = {}
+        self.evals: dict[str, Json] = {}
+        self.allocs: dict[str, Json] = {}
+        self.nodes: dict[str, Json] = {}
+        self.scaling_events: dict[tuple[str, str], list[Json]] = {}
+        self._table_events: dict[str, asyncio.Event] = {t: asyncio.Event() for t in TABLES}
+        self._subscribers: list[asyncio.Queue[list[Event]]] = []
+        self._pending: _Pending | None = None
+
+    # ----- indexes and waiting -------------------------------------------------------------
+
+    def max_index(self, tables: Iterable[str]) -> int:
+        return max(self.table_index[t] for t in tables)
+
+    async def wait(self, tables: Iterable[str], min_index: int, timeout: float) -> int:
+        """Return once any of `tables` has an index above `min_index`, or after `timeout`.
+        Returns the tables' index, which is what `X-Nomad-Index` carries."""
+        tables = tuple(tables)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self.max_index(tables) <= min_index:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                break
+            waiters = [asyncio.ensure_future(self._table_events[t].wait()) for t in tables]
+            try:
+                await asyncio.wait(waiters, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for w in waiters:
+                    w.cancel()
+        return self.max_index(tables)
+
+    def subscribe(self) -> asyncio.Queue[list[Event]]:
+        """A queue that receives the events of every later commit, one list per commit."""
+        queue: asyncio.Queue[list[Event]] = asyncio.Queue()
+        self._subscribers.append(queue)
+        return queue
+
+    def unsubscribe(self, queue: asyncio.Queue[list[Event]]) -> None:
+        if queue in self._subscribers:
+            self._subscribers.remove(queue)
+
+    # ----- commits -------------------------------------------------------------------------
+
+    def _touch(self, table: str, event: tuple[str, str, str, str, Json] | None = None) -> int:
+        """Record a change; outside a `batch()` it commits at once. Returns the index the change
+        will carry, so callers can stamp ModifyIndex before the commit."""
+        if self._pending is None:
+            pending = _Pending()
+            pending.tables.add(table)
+            if event:
+                pending.events.append(event)
+            return self._commit(pending)
+        self._pending.tables.add(table)
+        if event:
+            self._pending.events.append(event)
+        return self.index + 1
+
+    def batch(self) -> _Batch:
+        """Group several writes into one index, as one raft apply does in Nomad."""
+        return _Batch(self)
+
+    def _commit(self, pending: _Pending) -> int:
+        if not pending.tables:
+            return self.index
+        self.index += 1
+        for table in pending.tables:
+            self.table_index[table] = self.index
+            event = self._table_events[table]
+            event.set()
+            self._table_events[table] = asyncio.Event()
+        if pending.events and self._subscribers:
+            events = [
+                Event(topic, type_, key, ns, self.index, payload)
+                for topic, type_, key, ns, payload in pending.events
+            ]
+            for queue in self._subscribers:
+                queue.put_nowait(events)
+        return self.index
+
+    def next_index(self) -> int:
+        return self.index + 1
+
+    # ----- jobs ----------------------------------------------------------------------------
+
+    def upsert_job(self, job: Json, event_type: str = "JobRegistered") -> int:
+        if self._pending is None:
+            with self.batch():
+                self.upsert_job(job, event_type)
+            return self.index
+        key = (job["Namespace"], job["ID"])
+        idx = self.index + 1
+        existing = self.jobs.get(key)
+        job["CreateIndex"] = existing["CreateIndex"] if existing else idx
+        job["ModifyIndex"] = idx
+        self.jobs[key] = job
+        self.job_versions.setdefault(key, [])
+        versions = self.job_versions[key]
+        if not versions or versions[-1]["Version"] != job["Version"]:
+            versions.append(copy.deepcopy(job))
+        else:
+            versions[-1] = copy.deepcopy(job)
+        self._touch("job_versions")
+        return self._touch("jobs", ("Job", event_type, job["ID"], job["Namespace"], {"Job": job}))
+
+    def delete_job(self, namespace: str, job_id: str) -> int:
+        if self._pending is None:
+            with self.batch():
+                self.delete_job(namespace, job_id)
+            return self.index
+        key = (namespace, job_id)
+        job = self.jobs.pop(key, None)
+        self.job_versions.pop(key, None)
+        self.job_summaries.pop(key, None)
+        self.scaling_events.pop(key, None)
+        self._touch("job_summary")
+        self._touch("job_versions")
+        return self._touch("jobs", ("Job", "JobDeregistered", job_id, namespace, {"Job": job}))
+
+    def upsert_job_summary(self, summary: Json) -> int:
+        key = (summary["Namespace"], summary["JobID"])
+        idx = self.index + 1
+        existing = self.job_summaries.get(key)
+        summary["CreateIndex"] = existing["CreateIndex"] if existing else idx
+        summary["ModifyIndex"] = idx
+        self.job_summaries[key] = summary
+        return self._touch("job_summary")
+
+    def add_scaling_event(self, namespace: str, job_id: str, group: str, event: Json) -> int:
+        events = self.scaling_events.setdefault((namespace, job_id), [])
+        events.append({"Group": group, **event})
+        # Nomad keeps the newest 20 per group (structs.JobTrackedScalingEvents).
+        group_events = [e for e in events if e["Group"] == group]
+        if len(group_events) > 20:
+            events.remove(group_events[0])
+        return self._touch("scaling_event")
+
+    # ----- evaluations and allocations ------------------------------------------------------
+
+    def upsert_eval(self, evaluation: Json, event_type: str = "EvaluationUpdated") -> int:
+        idx = self.index + 1
+        existing = self.evals.get(evaluation["ID"])
+        evaluation["CreateIndex"] = existing["CreateIndex"] if existing else idx
+        evaluation["ModifyIndex"] = idx
+        self.evals[evaluation["ID"]] = evaluation
+        return self._touch(
+            "evals",
+            ("Evaluation", event_type, evaluation["ID"], evaluation["Namespace"], {"Evaluation": evaluation}),
+        )
+
+    def upsert_alloc(self, alloc: Json, event_type: str = "AllocationUpdated") -> int:
+        idx = self.index + 1
+        existing = self.allocs.get(alloc["ID"])
+        alloc["CreateIndex"] = existing["CreateIndex"] if existing else idx
+        alloc["ModifyIndex"] = idx
+        alloc.setdefault("AllocModifyIndex", idx)
+        self.allocs[alloc["ID"]] = alloc
+        return self._touch(
+            "allocs", ("Allocation", event_type, alloc["ID"], alloc["Namespace"], {"Allocation": alloc})
+        )
+
+    def allocs_for_job(self, namespace: str, job_id: str) -> list[Json]:
+        return [a for a in self.allocs.values() if a["Namespace"] == namespace and a["JobID"] == job_id]
+
+    def allocs_for_node(self, node_id: str) -> list[Json]:
+        return [a for a in self.allocs.values() if a["NodeID"] == node_id]
+
+    def evals_for_job(self, namespace: str, job_id: str) -> list[Json]:
+        return [e for e in self.evals.values() if e["Namespace"] == namespace and e["JobID"] == job_id]
+
+    # ----- nodes ---------------------------------------------------------------------------
+
+    def upsert_node(self, node: Json, event_type: str = "NodeRegistration") -> int:
+        idx = self.index + 1
+        existing = self.nodes.get(node["ID"])
+        node["CreateIndex"] = existing["CreateIndex"] if existing else idx
+        node["ModifyIndex"] = idx
+        self.nodes[node["ID"]] = node
+        return self._touch("nodes", ("Node", event_type, node["ID"], "", {"Node": node}))
+
+    def delete_node(self, node_id: str) -> int:
+        node = self.nodes.pop(node_id, None)
+        return self._touch("nodes", ("Node", "NodeDeregistration", node_id, "", {"Node": node}))
+
+
+class _Batch:
+    def __init__(self, store: StateStore) -> None:
+        self._store = store
+
+    def __enter__(self) -> StateStore:
+        if self._store._pending is not None:
+            raise RuntimeError("nested state batches are not supported")
+        self._store._pending = _Pending()
+        return self._store
+
+    def __exit__(self, *exc: object) -> None:
+        pending = self._store._pending
+        self._store._pending = None
+        if pending is not None:
+            self._store._commit(pending)
