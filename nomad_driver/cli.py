@@ -3,6 +3,9 @@ laptop with no cluster libraries in use and `llmgw --help` stays fast."""
 
 from __future__ import annotations
 
+from enum import StrEnum
+from pathlib import Path
+
 import typer
 
 app = typer.Typer(
@@ -11,6 +14,125 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
 )
+
+
+@app.callback()
+def _root() -> None:
+    """Serve many LLMs on a Nomad + Consul GPU cluster."""
+    # A callback keeps typer from collapsing the app into its first verb while it has only one.
+
+
+class JobFormat(StrEnum):
+    hcl = "hcl"
+    json = "json"
+
+
+@app.command()
+def render(
+    models_file: Path = typer.Argument(..., help="The models file (YAML).", show_default=False),
+    out: Path | None = typer.Option(None, "--out", "-o", help="Directory to write the jobs into."),
+    fmt: JobFormat = typer.Option(
+        JobFormat.hcl, "--format", "-f", help="hcl for `nomad job run`, json for the API."
+    ),
+    check: bool = typer.Option(False, "--check", help="Only validate the models file; write nothing."),
+    datacenter: list[str] = typer.Option(
+        [], "--datacenter", "-d", help="Datacenter to run in (repeatable; default all)."
+    ),
+    namespace: str = typer.Option(
+        "default", "--namespace", envvar="NOMAD_NAMESPACE", help="Nomad namespace."
+    ),
+    node_pool: str | None = typer.Option(None, "--node-pool", help="Nomad node pool."),
+) -> None:
+    """Write one Nomad job per model, without a cluster. Exit code 2 when the file is invalid."""
+    from nomad_driver.render import render_files
+    from nomad_driver.spec import SpecError, load_models
+
+    try:
+        model_set = load_models(models_file)
+    except SpecError as exc:
+        for problem in exc.problems:
+            typer.echo(f"{models_file}: {problem}", err=True)
+        count = len(exc.problems)
+        typer.echo(f"{models_file}: {count} problem{'s' if count != 1 else ''}; nothing written", err=True)
+        raise typer.Exit(2) from None
+
+    if check:
+        names = ", ".join(model_set.models) or "none"
+        typer.echo(f"{models_file}: valid, {len(model_set.models)} models ({names})")
+        return
+    if out is None:
+        typer.echo(
+            "llmgw render: give an output directory with -o DIR, or --check to only validate", err=True
+        )
+        raise typer.Exit(2)
+
+    # Everything is rendered before anything is written, so a failure leaves DIR as it was.
+    files = render_files(
+        list(model_set.models.values()),
+        fmt.value,
+        datacenters=datacenter or None,
+        namespace=namespace,
+        node_pool=node_pool,
+    )
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        for name, text in files.items():
+            target = out / name
+            tmp = target.with_name(f".{name}.tmp")
+            tmp.write_text(text, encoding="utf-8")
+            tmp.replace(target)
+            typer.echo(f"wrote {target}")
+    except OSError as exc:
+        typer.echo(f"llmgw render: cannot write to {out}: {exc.strerror or exc}", err=True)
+        raise typer.Exit(1) from None
+
+
+@app.command("router")
+def router_command(
+    listen: str = typer.Option(
+        "127.0.0.1:8080", "--listen", envvar="LLMGW_ROUTER_LISTEN", help="HOST:PORT to serve the OpenAI API on."
+    ),
+    api_keys_file: Path | None = typer.Option(
+        None, "--api-keys-file", help="Bearer tokens, one a line (also LLMGW_API_KEYS, comma-separated)."
+    ),
+    tls_cert: Path | None = typer.Option(None, "--tls-cert", help="PEM certificate; serve HTTPS with --tls-key."),
+    tls_key: Path | None = typer.Option(None, "--tls-key", help="PEM private key for --tls-cert."),
+    models_file: Path | None = typer.Option(
+        None, "--models", envvar="LLMGW_MODELS_FILE", help="Definitions to use while llmgw/config/models is not in Consul."
+    ),
+    max_body_mib: float = typer.Option(8.0, "--max-body-mib", help="Largest request body accepted."),
+    first_byte_timeout: float = typer.Option(
+        600.0, "--first-byte-timeout", help="Seconds a replica may think before its first byte."
+    ),
+    no_activation: bool = typer.Option(
+        False, "--no-activation", help="Never scale models up through Nomad; answer 503 instead."
+    ),
+    log_level: str = typer.Option("info", "--log-level", help="debug, info, warning or error."),
+) -> None:
+    """Serve the OpenAI-compatible API in front of every model's replicas."""
+    from router.config import ConfigError
+    from router.server import serve
+
+    try:
+        serve(
+            listen=listen,
+            api_keys_file=str(api_keys_file or ""),
+            tls_cert=str(tls_cert or ""),
+            tls_key=str(tls_key or ""),
+            models_file=str(models_file or ""),
+            max_body_bytes=int(max_body_mib * 1024 * 1024),
+            first_byte_timeout_s=first_byte_timeout,
+            activation=not no_activation,
+            log_level=log_level,
+        )
+    except ConfigError as exc:
+        typer.echo(f"llmgw router: {exc}", err=True)
+        raise typer.Exit(2) from None
+
+
+from nomad_driver.ctl import ctl_app  # noqa: E402  (a sub-app must exist when the CLI is built)
+
+app.add_typer(ctl_app, name="ctl")
 
 
 def main() -> None:

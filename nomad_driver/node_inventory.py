@@ -1,0 +1,124 @@
+"""What a GPU node has on disk: engine installs and model weights.
+
+An engine directory that exists is not an engine that runs: a half-copied install or one built
+against another CUDA would be advertised in node meta, jobs would be placed on the node, and
+each would fail at start. So every install is verified by running its own version command, and
+only verified versions are published.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import subprocess
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger("llmgw.node_agent.inventory")
+
+VERSION_TIMEOUT_S = 20.0
+
+
+def engine_meta_key(engine: str) -> str:
+    """`llama.cpp` -> `llmgw_engine_llama_cpp`: node meta keys that jobs interpolate must be
+    plain identifiers."""
+    return "llmgw_engine_" + re.sub(r"[^A-Za-z0-9]", "_", engine)
+
+
+@dataclass(frozen=True)
+class EngineInstall:
+    engine: str
+    version: str
+    path: Path
+
+
+def _python_module_version(module: str) -> Callable[[Path], list[str]]:
+    return lambda root: [str(root / "bin" / "python"), "-c", f"import {module}; print({module}.__version__)"]
+
+
+# How each engine says which version it is. llama.cpp's server prints its build number
+# ("version: 6500 (...)"), which is what its `b6500` release tags are named after.
+VERSION_COMMANDS: dict[str, Callable[[Path], list[str]]] = {
+    "llama.cpp": lambda root: [str(root / "llama-server"), "--version"],
+    "llama-cpp-python": _python_module_version("llama_cpp"),
+    "vllm": _python_module_version("vllm"),
+}
+
+
+def _version_matches(engine: str, version: str, output: str) -> bool:
+    if engine == "llama.cpp":
+        build = version.lstrip("b")
+        return re.search(rf"\bversion:\s*{re.escape(build)}\b", output) is not None
+    return output.strip().splitlines()[-1:] == [version] if output.strip() else False
+
+
+class EngineScanner:
+    """Scans `<engines_dir>/<engine>/<version>/`. Verification results are cached by the
+    directory's mtime, so a node agent running every few seconds does not start a Python
+    interpreter per engine per pass."""
+
+    def __init__(self, engines_dir: Path) -> None:
+        self.engines_dir = engines_dir
+        self._verified: dict[Path, tuple[float, bool]] = {}
+        self._reported_bad: set[Path] = set()
+
+    def _verify(self, install: EngineInstall) -> bool:
+        command = VERSION_COMMANDS[install.engine](install.path)
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=VERSION_TIMEOUT_S)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            self._report_bad(install, str(exc))
+            return False
+        output = (done.stdout or "") + (done.stderr or "")
+        if done.returncode != 0 or not _version_matches(install.engine, install.version, output):
+            tail = output.strip().splitlines()[-1:] or ["no output"]
+            self._report_bad(install, f"exit {done.returncode}: {tail[0]}")
+            return False
+        return True
+
+    def _report_bad(self, install: EngineInstall, detail: str) -> None:
+        if install.path not in self._reported_bad:
+            self._reported_bad.add(install.path)
+            log.warning(
+                "engine install not usable, not advertised: engine=%s version=%s path=%s: %s",
+                install.engine,
+                install.version,
+                install.path,
+                detail,
+            )
+
+    def scan(self) -> list[EngineInstall]:
+        found: list[EngineInstall] = []
+        if not self.engines_dir.is_dir():
+            return found
+        for engine_dir in sorted(self.engines_dir.iterdir()):
+            if engine_dir.name not in VERSION_COMMANDS or not engine_dir.is_dir():
+                continue
+            for version_dir in sorted(engine_dir.iterdir()):
+                if not version_dir.is_dir():
+                    continue
+                install = EngineInstall(engine_dir.name, version_dir.name, version_dir)
+                mtime = version_dir.stat().st_mtime
+                cached = self._verified.get(version_dir)
+                if cached is None or cached[0] != mtime:
+                    ok = self._verify(install)
+                    self._verified[version_dir] = (mtime, ok)
+                    if ok:
+                        self._reported_bad.discard(version_dir)
+                if self._verified[version_dir][1]:
+                    found.append(install)
+        return found
+
+
+def cached_models(models_dir: Path) -> list[str]:
+    """Models whose weights are already on local disk (`<models_dir>/<model>/` holding at least
+    one file), so a replica there starts without a download."""
+    if not models_dir.is_dir():
+        return []
+    present = []
+    for entry in sorted(models_dir.iterdir()):
+        if entry.is_dir() and any(os.scandir(entry)):
+            present.append(entry.name)
+    return present

@@ -1,0 +1,438 @@
+"""Model definitions: the YAML file an operator writes, validated into `ModelSet`.
+
+Every problem is reported with the path of the field it is about and what was expected, and all
+of them at once: an operator fixing a file of forty models should not have to run the validator
+forty times. `parse_models` either returns a complete, consistent set or raises `SpecError`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+Engine = Literal["llama.cpp", "vllm", "llama-cpp-python"]
+ENGINES: tuple[str, ...] = ("llama.cpp", "vllm", "llama-cpp-python")
+
+DEFAULT_IDLE_TIMEOUT_S = 15 * 60.0
+DEFAULT_ACTIVATION_TIMEOUT_S = 5 * 60.0
+
+# A model name becomes the Nomad job ID `llmgw-<name>`, the Consul tag `model=<name>`, a Consul KV
+# key segment and a URL path segment of the admin API. This alphabet is safe in all four, so the
+# name is never rewritten and the name a client asks for is the name everywhere else.
+MODEL_NAME_RE = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._-]{0,62}[A-Za-z0-9])?$")
+MODEL_NAME_RULE = (
+    "1-64 characters from letters, digits, '.', '_' and '-', starting and ending with a letter or digit"
+)
+# Versions end up in a path on the node, a Docker image tag and a comma-separated node meta list.
+ENGINE_VERSION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+SOURCE_SCHEMES = ("hf", "https", "s3", "file")
+
+_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h)")
+_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+class SpecError(Exception):
+    """One or more problems in a models file, each `path: message`."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = list(problems)
+        super().__init__("\n".join(self.problems))
+
+
+class Profile(BaseModel):
+    """How a model runs: the engine, and what it needs from a node."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    engine: Engine
+    engine_version: str
+    gpus: int = Field(default=1, ge=0, le=64)
+    # Per GPU, in MiB, as Nomad's nvidia device plugin reports `memory`; 0 asks for any size.
+    gpu_memory_mib: int = Field(default=0, ge=0)
+    gpu_models: list[str] = Field(default_factory=list)
+    cpu_mhz: int = Field(default=1000, ge=1)
+    # Nomad refuses a task with less than 10 MB of memory.
+    memory_mib: int = Field(default=4096, ge=10)
+    context: int = Field(default=4096, ge=1)
+    args: list[str] = Field(default_factory=list)
+    # llama-cpp-python guesses the chat template from the GGUF and guesses wrong for some models
+    # (Gemma answers empty strings with its fallback), so the profile can name it.
+    chat_format: str | None = None
+
+    @field_validator("args", mode="before")
+    @classmethod
+    def _numbers_as_strings(cls, value: Any) -> Any:
+        # `- 8` in YAML is an int; an engine argument is text either way.
+        if isinstance(value, list):
+            return [str(v) if isinstance(v, int | float) and not isinstance(v, bool) else v for v in value]
+        return value
+
+
+class _Replicas(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    min: int = 1
+    max: int | None = None
+
+
+class _ModelDoc(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    source: str
+    profile: str
+    replicas: _Replicas = Field(default_factory=_Replicas)
+    # Checked by parse_duration, which says what a duration looks like.
+    idle_timeout: Any = None
+    activation_timeout: Any = None
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    source: str
+    profile_name: str
+    profile: Profile
+    replicas_min: int
+    replicas_max: int
+    idle_timeout_s: float
+    activation_timeout_s: float
+    def_hash: str
+    job_id: str
+
+
+@dataclass(frozen=True)
+class ModelSet:
+    profiles: dict[str, Profile]
+    models: dict[str, Model]
+
+
+def job_id_for(model_name: str) -> str:
+    return f"llmgw-{model_name}"
+
+
+def definition_hash(source: str, profile: Profile) -> str:
+    """A change of this hash is "the definition changed": it unparks a parked model. Replicas
+    and timeouts are left out on purpose, because scaling a broken model must not unpark it."""
+    doc = {"source": source, "profile": profile.model_dump(mode="json")}
+    blob = json.dumps(doc, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def parse_duration(value: object) -> float:
+    """Seconds from `90`, "90", "30s", "15m", "1h", "1h30m", "500ms"."""
+    if isinstance(value, bool):
+        raise ValueError
+    if isinstance(value, int | float):
+        seconds = float(value)
+    elif isinstance(value, str):
+        text = value.strip()
+        if re.fullmatch(r"\d+(?:\.\d+)?", text):
+            seconds = float(text)
+        else:
+            parts = list(_DURATION_PART.finditer(text))
+            if not parts or "".join(p.group(0) for p in parts) != text:
+                raise ValueError
+            seconds = sum(float(p.group(1)) * _DURATION_UNITS[p.group(2)] for p in parts)
+    else:
+        raise ValueError
+    if seconds <= 0:
+        raise ValueError
+    return seconds
+
+
+# --- YAML with duplicate keys refused -----------------------------------------------------------
+
+
+def _check_duplicates(node: yaml.Node, path: str, problems: list[str]) -> None:
+    """PyYAML keeps the last of two equal keys without a word; a model defined twice would then
+    silently lose its first definition, so duplicates are found on the node tree first."""
+    if isinstance(node, yaml.MappingNode):
+        seen: dict[str, int] = {}
+        for key_node, value_node in node.value:
+            key = str(key_node.value) if isinstance(key_node, yaml.ScalarNode) else "?"
+            line = key_node.start_mark.line + 1
+            child = f"{path}.{key}" if path else key
+            if key in seen:
+                problems.append(f"{child}: duplicate key '{key}' at line {line} (first at line {seen[key]})")
+            else:
+                seen[key] = line
+            _check_duplicates(value_node, child, problems)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _check_duplicates(item, f"{path}.{i}" if path else str(i), problems)
+
+
+def _load_yaml(text: str, problems: list[str]) -> Any:
+    """The document, with duplicate keys added to `problems` (the rest is still validated, so
+    the operator sees every problem in one run)."""
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError as exc:
+        raise SpecError([f"(file): not valid YAML: {_yaml_error(exc)}"]) from None
+    if node is None:
+        return None
+    _check_duplicates(node, "", problems)
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise SpecError([f"(file): not valid YAML: {_yaml_error(exc)}"]) from None
+
+
+def _yaml_error(exc: yaml.YAMLError) -> str:
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc)
+    if mark is not None:
+        return f"{problem} at line {mark.line + 1}, column {mark.column + 1}"
+    return str(problem)
+
+
+# --- pydantic errors as path: message ------------------------------------------------------------
+
+
+def _describe(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _pydantic_problems(prefix: str, exc: ValidationError, model: type[BaseModel]) -> Iterator[str]:
+    for err in exc.errors():
+        loc = [str(p) for p in err["loc"]]
+        path = ".".join([prefix, *loc])
+        kind = err["type"]
+        value = err.get("input")
+        if kind == "extra_forbidden":
+            allowed = _allowed_keys(model, loc[:-1])
+            yield f"{path}: unknown key '{loc[-1]}' (expected one of: {', '.join(allowed)})"
+        elif kind == "missing":
+            yield f"{path}: required field is missing"
+        elif kind == "literal_error":
+            expected = err.get("ctx", {}).get("expected", "")
+            yield f"{path}: expected one of {expected}, got {_describe(value)}"
+        elif kind in ("int_type", "int_parsing", "int_from_float"):
+            yield f"{path}: expected an integer, got {_describe(value)}"
+        elif kind in ("string_type",):
+            yield f"{path}: expected a string, got {_describe(value)}"
+        elif kind in ("list_type",):
+            yield f"{path}: expected a list, got {_describe(value)}"
+        elif kind in ("model_type", "model_attributes_type", "dict_type"):
+            yield f"{path}: expected a mapping, got {_describe(value)}"
+        elif kind in ("greater_than_equal", "less_than_equal", "greater_than", "less_than"):
+            yield f"{path}: {err['msg'].lower()}, got {_describe(value)}"
+        else:
+            yield f"{path}: {err['msg']}"
+
+
+def _allowed_keys(model: type[BaseModel], loc: list[str]) -> list[str]:
+    current: type[BaseModel] = model
+    for part in loc:
+        field = current.model_fields.get(part)
+        annotation = field.annotation if field else None
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            current = annotation
+        else:
+            break
+    return list(current.model_fields)
+
+
+# --- sources ----------------------------------------------------------------------------------
+
+
+def source_problem(source: str, engine: str) -> str | None:
+    """Why `source` cannot be fetched for `engine`, or None when it can."""
+    parts = urlsplit(source)
+    scheme = parts.scheme
+    if scheme not in SOURCE_SCHEMES:
+        return (
+            f"unsupported source {source!r}: expected hf://ORG/REPO/FILE, https://..., "
+            "s3://BUCKET/KEY or file:///ABSOLUTE/PATH"
+        )
+    if any(c.isspace() for c in source):
+        return f"source {source!r} contains whitespace"
+    if scheme == "hf":
+        segments = [s for s in (parts.netloc + parts.path).split("/") if s]
+        if len(segments) < 2:
+            return f"hf source {source!r} must name ORG/REPO and, for a GGUF engine, a file in it"
+        if len(segments) == 2 and engine != "vllm":
+            return (
+                f"hf source {source!r} names a repository; {engine} loads one file: "
+                "use hf://ORG/REPO/FILE.gguf"
+            )
+    elif scheme == "https":
+        if not parts.netloc or not parts.path.strip("/"):
+            return f"https source {source!r} must name a host and a path"
+    elif scheme == "s3":
+        if not parts.netloc or not parts.path.strip("/"):
+            return f"s3 source {source!r} must name a bucket and a key: s3://BUCKET/KEY"
+    elif scheme == "file" and (parts.netloc or not parts.path.startswith("/")):
+        return f"file source {source!r} must be an absolute path: file:///ABSOLUTE/PATH"
+    if engine != "vllm" and source.endswith("/"):
+        return f"source {source!r} is a directory; {engine} loads one GGUF file"
+    return None
+
+
+# --- the file ---------------------------------------------------------------------------------
+
+_TOP_KEYS = ("profiles", "models")
+
+
+def parse_models(text: str, origin: str = "<string>") -> ModelSet:
+    """Validate a models file. `origin` names the file in the one problem that has no path."""
+    problems: list[str] = []
+    try:
+        doc = _load_yaml(text, problems)
+    except SpecError as exc:
+        raise SpecError([p.replace("(file)", origin, 1) for p in exc.problems]) from None
+    if doc is None:
+        raise SpecError([f"{origin}: the file is empty; expected 'profiles' and 'models'"])
+    if not isinstance(doc, dict):
+        raise SpecError([f"{origin}: expected a mapping with 'profiles' and 'models'"])
+
+    for key in doc:
+        if key not in _TOP_KEYS:
+            problems.append(f"{key}: unknown key '{key}' (expected one of: {', '.join(_TOP_KEYS)})")
+
+    profiles = _parse_profiles(doc.get("profiles"), problems)
+    raw_profiles = doc.get("profiles")
+    declared = [str(k) for k in raw_profiles] if isinstance(raw_profiles, dict) else []
+    models = _parse_models(doc.get("models"), profiles, declared, problems)
+    if problems:
+        raise SpecError(problems)
+    return ModelSet(profiles=profiles, models=models)
+
+
+def load_models(path: str | Path) -> ModelSet:
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise SpecError([f"{path}: cannot read: {exc.strerror or exc}"]) from None
+    except UnicodeDecodeError:
+        raise SpecError([f"{path}: not UTF-8 text"]) from None
+    return parse_models(text, origin=str(path))
+
+
+def _parse_profiles(raw: Any, problems: list[str]) -> dict[str, Profile]:
+    if raw is None:
+        problems.append("profiles: required; define at least one profile")
+        return {}
+    if not isinstance(raw, dict):
+        problems.append(f"profiles: expected a mapping of profile name to profile, got {_describe(raw)}")
+        return {}
+    profiles: dict[str, Profile] = {}
+    for name, body in raw.items():
+        path = f"profiles.{name}"
+        if not isinstance(body, dict):
+            problems.append(f"{path}: expected a mapping, got {_describe(body)}")
+            continue
+        try:
+            profile = Profile.model_validate(body)
+        except ValidationError as exc:
+            problems.extend(_pydantic_problems(path, exc, Profile))
+            continue
+        before = len(problems)
+        if not ENGINE_VERSION_RE.match(profile.engine_version):
+            problems.append(
+                f"{path}.engine_version: {profile.engine_version!r} is not a version: "
+                "letters, digits, '.', '_' and '-' only"
+            )
+        if profile.engine == "vllm" and profile.gpus == 0:
+            problems.append(f"{path}.gpus: vllm needs at least one GPU")
+        for i, gpu_model in enumerate(profile.gpu_models):
+            # The constraint is set_contains_any over a comma-separated list.
+            if not gpu_model.strip() or "," in gpu_model:
+                problems.append(f"{path}.gpu_models.{i}: expected a GPU model name without commas")
+        if profile.gpus == 0 and (profile.gpu_models or profile.gpu_memory_mib):
+            problems.append(f"{path}: gpu_memory_mib and gpu_models need gpus >= 1")
+        if profile.chat_format is not None and profile.engine != "llama-cpp-python":
+            problems.append(f"{path}.chat_format: only llama-cpp-python takes a chat_format")
+        if len(problems) == before:
+            profiles[str(name)] = profile
+    return profiles
+
+
+def _parse_models(
+    raw: Any, profiles: dict[str, Profile], declared: list[str], problems: list[str]
+) -> dict[str, Model]:
+    """`declared` are all profile names in the file: a model whose profile exists but is invalid
+    is not also told that its profile is unknown."""
+    if raw is None:
+        problems.append("models: required; define at least one model")
+        return {}
+    if not isinstance(raw, dict):
+        problems.append(f"models: expected a mapping of model name to model, got {_describe(raw)}")
+        return {}
+    models: dict[str, Model] = {}
+    for key, body in raw.items():
+        name = str(key)
+        path = f"models.{name}"
+        before = len(problems)
+        if not isinstance(key, str) or not MODEL_NAME_RE.match(name):
+            problems.append(f"{path}: invalid model name {name!r}: {MODEL_NAME_RULE}")
+        if not isinstance(body, dict):
+            problems.append(f"{path}: expected a mapping, got {_describe(body)}")
+            continue
+        try:
+            doc = _ModelDoc.model_validate(body)
+        except ValidationError as exc:
+            problems.extend(_pydantic_problems(path, exc, _ModelDoc))
+            continue
+
+        profile = profiles.get(doc.profile)
+        if profile is None and doc.profile not in declared:
+            problems.append(f"{path}.profile: unknown profile {doc.profile!r}" + _known(declared))
+        elif profile is not None:
+            why = source_problem(doc.source, profile.engine)
+            if why:
+                problems.append(f"{path}.source: {why}")
+
+        rmin = doc.replicas.min
+        rmax = doc.replicas.max if doc.replicas.max is not None else max(rmin, 1)
+        if rmin < 0:
+            problems.append(f"{path}.replicas.min: must be >= 0, got {rmin}")
+        if rmax < 1:
+            problems.append(f"{path}.replicas.max: must be >= 1, got {rmax}")
+        elif rmin > rmax:
+            problems.append(f"{path}.replicas: min {rmin} is greater than max {rmax}")
+
+        idle = _duration(doc.idle_timeout, DEFAULT_IDLE_TIMEOUT_S, f"{path}.idle_timeout", problems)
+        activation = _duration(
+            doc.activation_timeout, DEFAULT_ACTIVATION_TIMEOUT_S, f"{path}.activation_timeout", problems
+        )
+        if len(problems) != before or profile is None:
+            continue
+        models[name] = Model(
+            name=name,
+            source=doc.source,
+            profile_name=doc.profile,
+            profile=profile,
+            replicas_min=rmin,
+            replicas_max=rmax,
+            idle_timeout_s=idle,
+            activation_timeout_s=activation,
+            def_hash=definition_hash(doc.source, profile),
+            job_id=job_id_for(name),
+        )
+    return models
+
+
+def _known(declared: list[str]) -> str:
+    return f" (defined: {', '.join(declared)})" if declared else ""
+
+
+def _duration(raw: object, default: float, path: str, problems: list[str]) -> float:
+    if raw is None:
+        return default
+    try:
+        return parse_duration(raw)
+    except ValueError:
+        problems.append(f"{path}: expected a positive duration like 90, '30s', '15m' or '1h', got {raw!r}")
+        return default
