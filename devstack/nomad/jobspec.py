@@ -1,0 +1,451 @@
+"""HCL2 jobspecs to Nomad's API JSON, for the stand-in's `/v1/jobs/parse` (what `nomad job run`
+does on the client side before it registers).
+
+Nomad's own parser (jobspec2) evaluates the full HCL2 language. This one covers what llmgw's
+jobspecs and rendered jobs use: `variable` blocks with defaults, `var.x` references, string
+templates over variables, `coalesce()`, and the job, group, task, network, service, check,
+restart, reschedule, update, constraint, affinity, device, artifact, template, env, meta and
+resources blocks. Runtime interpolations (`${attr.*}`, `${meta.*}`, `${NOMAD_*}`) are left for
+the client, as Nomad does. Anything outside that subset is an error naming the block, never
+silently dropped.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import hcl2
+
+Json = dict[str, Any]
+
+
+class JobspecError(ValueError):
+    pass
+
+
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
+_UNITS_NS = {
+    "ns": 1,
+    "us": 1_000,
+    "µs": 1_000,
+    "ms": 1_000_000,
+    "s": 10**9,
+    "m": 60 * 10**9,
+    "h": 3600 * 10**9,
+}
+_VAR_REF = re.compile(r"\$\{var\.([A-Za-z0-9_-]+)\}")
+
+
+def duration_ns(value: Any, where: str) -> int:
+    if isinstance(value, int):
+        return value
+    text = str(value)
+    parts = _DURATION.findall(text)
+    if not parts or "".join(n + u for n, u in parts) != text:
+        raise JobspecError(f"{where}: {text!r} is not a duration such as 30s or 5m")
+    return int(sum(float(n) * _UNITS_NS[u] for n, u in parts))
+
+
+class _Evaluator:
+    def __init__(self, variables: dict[str, Any]) -> None:
+        self.variables = variables
+
+    def var(self, name: str, where: str) -> Any:
+        if name not in self.variables:
+            raise JobspecError(f"{where}: unknown variable var.{name}")
+        return self.variables[name]
+
+    def _split_args(self, text: str) -> list[str]:
+        args, depth, quoted, current = [], 0, False, ""
+        for ch in text:
+            if ch == '"' and not current.endswith("\\"):
+                quoted = not quoted
+            if not quoted and ch in "([{":
+                depth += 1
+            if not quoted and ch in ")]}":
+                depth -= 1
+            if ch == "," and depth == 0 and not quoted:
+                args.append(current.strip())
+                current = ""
+                continue
+            current += ch
+        if current.strip():
+            args.append(current.strip())
+        return args
+
+    def expression(self, expr: str, where: str) -> Any:
+        expr = expr.strip()
+        if expr.startswith("var."):
+            return self.var(expr[4:], where)
+        if expr.startswith('"') and expr.endswith('"'):
+            return self.template(expr[1:-1], where)
+        match = re.fullmatch(r"coalesce\((.*)\)", expr, re.S)
+        if match:
+            for arg in self._split_args(match.group(1)):
+                value = self.expression(arg, where)
+                if value not in (None, ""):
+                    return value
+            raise JobspecError(f"{where}: coalesce() got only empty values")
+        if re.fullmatch(r"-?\d+", expr):
+            return int(expr)
+        if expr in ("true", "false"):
+            return expr == "true"
+        raise JobspecError(f"{where}: expression {expr!r} is outside what the stand-in's parser supports")
+
+    def template(self, text: str, where: str) -> str:
+        text = _VAR_REF.sub(lambda m: str(self.var(m.group(1), where)), text)
+        return text.replace("$${", "${").replace('\\"', '"')
+
+    def value(self, raw: Any, where: str) -> Any:
+        if isinstance(raw, list):
+            return [self.value(item, where) for item in raw]
+        if isinstance(raw, dict):
+            return {
+                self.label(k): self.value(v, f"{where}.{self.label(k)}")
+                for k, v in raw.items()
+                if not k.startswith("__")
+            }
+        if not isinstance(raw, str):
+            return raw
+        if raw.startswith('"') and raw.endswith('"') and len(raw) >= 2:
+            raw = raw[1:-1]
+            if not raw.startswith("<<"):
+                return self.template(raw, where)
+        if raw.startswith("${") and raw.endswith("}"):
+            return self.expression(raw[2:-1], where)
+        if raw.startswith("<<"):
+            # A heredoc: python-hcl2 keeps the marker lines; `<<-` strips the common indent.
+            lines = raw.splitlines()[1:-1]
+            indent = min((len(line) - len(line.lstrip()) for line in lines if line.strip()), default=0)
+            return self.template("\n".join(line[indent:] for line in lines) + "\n", where)
+        return raw
+
+    @staticmethod
+    def label(key: str) -> str:
+        return key[1:-1] if key.startswith('"') and key.endswith('"') else key
+
+
+def _blocks(body: Json, name: str) -> list[tuple[str | None, Json]]:
+    """python-hcl2 gives `name "label" {}` as [{'"label"': {...}}] and `name {}` as [{...}]."""
+    found: list[tuple[str | None, Json]] = []
+    for item in body.get(name, []) or []:
+        if not isinstance(item, dict):
+            continue
+        keys = [k for k in item if not k.startswith("__")]
+        if len(keys) == 1 and isinstance(item[keys[0]], dict) and item[keys[0]].get("__is_block__"):
+            found.append((_Evaluator.label(keys[0]), item[keys[0]]))
+        else:
+            found.append((None, item))
+    return found
+
+
+_KNOWN = {
+    "job": {
+        "type",
+        "datacenters",
+        "node_pool",
+        "namespace",
+        "region",
+        "priority",
+        "meta",
+        "group",
+        "constraint",
+        "affinity",
+        "update",
+        "reschedule",
+    },
+    "group": {
+        "count",
+        "constraint",
+        "affinity",
+        "network",
+        "service",
+        "restart",
+        "reschedule",
+        "update",
+        "task",
+        "meta",
+        "ephemeral_disk",
+        "scaling",
+    },
+    "task": {
+        "driver",
+        "config",
+        "env",
+        "template",
+        "resources",
+        "artifact",
+        "meta",
+        "constraint",
+        "affinity",
+        "service",
+        "kill_timeout",
+        "user",
+        "restart",
+        "identity",
+    },
+}
+
+
+def _check_keys(kind: str, body: Json, where: str) -> None:
+    unknown = {k for k in body if not k.startswith("__")} - _KNOWN[kind]
+    if unknown:
+        raise JobspecError(
+            f"{where}: {kind} has {', '.join(sorted(unknown))}, which the stand-in's parser does not support"
+        )
+
+
+class _Converter:
+    def __init__(self, ev: _Evaluator) -> None:
+        self.ev = ev
+
+    def v(self, body: Json, key: str, where: str, default: Any = None) -> Any:
+        return self.ev.value(body[key], f"{where}.{key}") if key in body else default
+
+    def constraints(self, body: Json, where: str, kind: str = "constraint") -> list[Json]:
+        out = []
+        for _, block in _blocks(body, kind):
+            item = {
+                "LTarget": self.v(block, "attribute", where, ""),
+                "RTarget": str(self.v(block, "value", where, "")),
+                "Operand": self.v(block, "operator", where, "="),
+            }
+            if kind == "affinity":
+                item["Weight"] = self.v(block, "weight", where, 50)
+            out.append(item)
+        return out
+
+    def restart(self, block: Json, where: str) -> Json:
+        return {
+            "Attempts": self.v(block, "attempts", where),
+            "Interval": duration_ns(self.v(block, "interval", where), where) if "interval" in block else None,
+            "Delay": duration_ns(self.v(block, "delay", where), where) if "delay" in block else None,
+            "Mode": self.v(block, "mode", where),
+            "RenderTemplates": None,
+        }
+
+    def reschedule(self, block: Json, where: str) -> Json:
+        def d(key: str) -> int | None:
+            return duration_ns(self.v(block, key, where), where) if key in block else None
+
+        return {
+            "Attempts": self.v(block, "attempts", where),
+            "Interval": d("interval"),
+            "Delay": d("delay"),
+            "DelayFunction": self.v(block, "delay_function", where),
+            "MaxDelay": d("max_delay"),
+            "Unlimited": self.v(block, "unlimited", where),
+        }
+
+    def update(self, block: Json, where: str) -> Json:
+        def d(key: str) -> int | None:
+            return duration_ns(self.v(block, key, where), where) if key in block else None
+
+        return {
+            "MaxParallel": self.v(block, "max_parallel", where),
+            "HealthCheck": self.v(block, "health_check", where),
+            "MinHealthyTime": d("min_healthy_time"),
+            "HealthyDeadline": d("healthy_deadline"),
+            "AutoRevert": self.v(block, "auto_revert", where),
+        }
+
+    def service(self, block: Json, where: str) -> Json:
+        checks = []
+        for _, check in _blocks(block, "check"):
+            cw = f"{where}.check"
+            checks.append(
+                {
+                    "Name": self.v(check, "name", cw, ""),
+                    "Type": self.v(check, "type", cw),
+                    "Path": self.v(check, "path", cw, ""),
+                    "Interval": duration_ns(self.v(check, "interval", cw, "10s"), cw),
+                    "Timeout": duration_ns(self.v(check, "timeout", cw, "2s"), cw),
+                    "PortLabel": self.v(check, "port", cw, ""),
+                    "Method": self.v(check, "method", cw, ""),
+                }
+            )
+        return {
+            "Name": self.v(block, "name", where),
+            "PortLabel": self.v(block, "port", where, ""),
+            "Tags": self.v(block, "tags", where, []),
+            "Meta": self._map(block, "meta", where),
+            "Provider": self.v(block, "provider", where, "consul"),
+            "Checks": checks,
+        }
+
+    def _map(self, body: Json, key: str, where: str) -> Json | None:
+        blocks = _blocks(body, key)
+        if not blocks:
+            return None
+        merged: Json = {}
+        for _, block in blocks:
+            merged.update(self.ev.value(block, f"{where}.{key}"))
+        return {k: str(v) if not isinstance(v, str) else v for k, v in merged.items()}
+
+    def task(self, name: str, body: Json, where: str) -> Json:
+        _check_keys("task", body, where)
+        resources: Json = {}
+        for _, block in _blocks(body, "resources"):
+            rw = f"{where}.resources"
+            resources = {"CPU": self.v(block, "cpu", rw), "MemoryMB": self.v(block, "memory", rw)}
+            devices = []
+            for label, device in _blocks(block, "device"):
+                devices.append(
+                    {
+                        "Name": label,
+                        "Count": self.v(device, "count", rw, 1),
+                        "Constraints": self.constraints(device, rw) or None,
+                        "Affinities": self.constraints(device, rw, "affinity") or None,
+                    }
+                )
+            if devices:
+                resources["Devices"] = devices
+        config: Json = {}
+        for _, block in _blocks(body, "config"):
+            config.update(self.ev.value(block, f"{where}.config"))
+        templates = []
+        for _, block in _blocks(body, "template"):
+            tw = f"{where}.template"
+            templates.append(
+                {
+                    "DestPath": self.v(block, "destination", tw),
+                    "EmbeddedTmpl": self.v(block, "data", tw, ""),
+                    "Envvars": self.v(block, "env", tw, False),
+                    "ChangeMode": self.v(block, "change_mode", tw, "restart"),
+                }
+            )
+        artifacts = []
+        for _, block in _blocks(body, "artifact"):
+            aw = f"{where}.artifact"
+            artifacts.append(
+                {
+                    "GetterSource": self.v(block, "source", aw),
+                    "RelativeDest": self.v(block, "destination", aw, "local/"),
+                    "GetterMode": self.v(block, "mode", aw, "any"),
+                    "GetterOptions": self._map(block, "options", aw),
+                }
+            )
+        return {
+            "Name": name,
+            "Driver": self.v(body, "driver", where),
+            "User": self.v(body, "user", where, ""),
+            "Config": config,
+            "Env": self._map(body, "env", where),
+            "Templates": templates or None,
+            "Artifacts": artifacts or None,
+            "Resources": resources or None,
+            "Meta": self._map(body, "meta", where),
+            "Constraints": self.constraints(body, where) or None,
+            "Services": [self.service(b, f"{where}.service") for _, b in _blocks(body, "service")] or None,
+            "KillTimeout": duration_ns(self.v(body, "kill_timeout", where), where)
+            if "kill_timeout" in body
+            else None,
+        }
+
+    def group(self, name: str, body: Json, where: str) -> Json:
+        _check_keys("group", body, where)
+        networks = []
+        for _, block in _blocks(body, "network"):
+            dynamic: list[Json] = []
+            reserved: list[Json] = []
+            for label, port in _blocks(block, "port"):
+                pw = f"{where}.network.port.{label}"
+                entry = {
+                    "Label": label,
+                    "Value": self.v(port, "static", pw, 0),
+                    "To": self.v(port, "to", pw, 0),
+                }
+                (reserved if entry["Value"] else dynamic).append(entry)
+            networks.append(
+                {
+                    "Mode": self.v(block, "mode", where, "host"),
+                    "DynamicPorts": dynamic or None,
+                    "ReservedPorts": reserved or None,
+                }
+            )
+        group: Json = {
+            "Name": name,
+            "Count": self.v(body, "count", where, 1),
+            "Constraints": self.constraints(body, where) or None,
+            "Affinities": self.constraints(body, where, "affinity") or None,
+            "Networks": networks or None,
+            "Services": [self.service(b, f"{where}.service") for _, b in _blocks(body, "service")] or None,
+            "Meta": self._map(body, "meta", where),
+            "Tasks": [
+                self.task(label or "", b, f"{where}.task.{label}") for label, b in _blocks(body, "task")
+            ],
+        }
+        for key, field, convert in (
+            ("restart", "RestartPolicy", self.restart),
+            ("reschedule", "ReschedulePolicy", self.reschedule),
+            ("update", "Update", self.update),
+        ):
+            blocks = _blocks(body, key)
+            if blocks:
+                group[field] = convert(blocks[0][1], f"{where}.{key}")
+        for _, block in _blocks(body, "ephemeral_disk"):
+            group["EphemeralDisk"] = {"SizeMB": self.v(block, "size", where, 300)}
+        return group
+
+    def job(self, name: str, body: Json) -> Json:
+        where = f"job.{name}"
+        _check_keys("job", body, where)
+        job: Json = {
+            "ID": name,
+            "Name": name,
+            "Type": self.v(body, "type", where, "service"),
+            "Datacenters": self.v(body, "datacenters", where),
+            "NodePool": self.v(body, "node_pool", where),
+            "Namespace": self.v(body, "namespace", where),
+            "Region": self.v(body, "region", where),
+            "Priority": self.v(body, "priority", where),
+            "Meta": self._map(body, "meta", where),
+            "Constraints": self.constraints(body, where) or None,
+            "Affinities": self.constraints(body, where, "affinity") or None,
+            "TaskGroups": [
+                self.group(label or "", b, f"{where}.group.{label}") for label, b in _blocks(body, "group")
+            ],
+        }
+        return {k: v for k, v in job.items() if v is not None}
+
+
+def parse_variables_file(text: str) -> dict[str, Any]:
+    """The `Variables` field of /v1/jobs/parse: an HCL vars file (`name = value` lines)."""
+    if not text.strip():
+        return {}
+    try:
+        raw = hcl2.loads(text)
+    except Exception as exc:
+        raise JobspecError(f"variables: {exc}") from exc
+    ev = _Evaluator({})
+    return {k: ev.value(v, f"variables.{k}") for k, v in raw.items()}
+
+
+def parse_jobspec(text: str, variables: dict[str, Any] | None = None) -> Json:
+    if not text.strip():
+        raise JobspecError("Job spec is empty")
+    try:
+        body = hcl2.loads(text)
+    except Exception as exc:
+        raise JobspecError(f"Failed to parse job: {exc}") from exc
+    given = dict(variables or {})
+    values: dict[str, Any] = {}
+    declared = set()
+    for name, block in _blocks(body, "variable"):
+        assert name is not None
+        declared.add(name)
+        if name in given:
+            values[name] = given[name]
+        elif "default" in block:
+            values[name] = _Evaluator({}).value(block["default"], f"variable.{name}.default")
+        else:
+            raise JobspecError(f"Failed to parse job: variable {name!r} has no default and was not given")
+    undeclared = set(given) - declared
+    if undeclared:
+        raise JobspecError(f"Failed to parse job: undeclared variables {', '.join(sorted(undeclared))}")
+    jobs = _blocks(body, "job")
+    if len(jobs) != 1:
+        raise JobspecError(f"Failed to parse job: expected one job block, found {len(jobs)}")
+    name, job_body = jobs[0]
+    return _Converter(_Evaluator(values)).job(name or "", job_body)

@@ -1,0 +1,126 @@
+# llmgw's control plane: two watchers, one of which leads through a Consul session lock on
+# llmgw/leader. The follower serves the admin API read-only and takes over within the session
+# TTL if the leader dies, so a lost node does not stop parking and placement reporting.
+
+variable "llmgw_version" {
+  type        = string
+  description = "llmgw release to run; the image tag."
+  default     = "0.1.0"
+}
+
+variable "image" {
+  type        = string
+  description = "Container image with llmgw installed (see docs/operating.md to build it)."
+  default     = "llmgw"
+}
+
+variable "datacenters" {
+  type        = list(string)
+  description = "Datacenters the watchers may run in."
+  default     = ["*"]
+}
+
+variable "node_pool" {
+  type        = string
+  description = "Node pool for llmgw's own services (not the GPU pool)."
+  default     = "default"
+}
+
+variable "nomad_addr" {
+  type        = string
+  description = "Nomad HTTP API as seen from the task; empty: the Nomad agent on the task's node."
+  default     = ""
+}
+
+variable "consul_addr" {
+  type        = string
+  description = "Consul HTTP API as seen from the task; empty: the Consul agent on the task's node."
+  default     = ""
+}
+
+variable "max_start_failures" {
+  type        = number
+  description = "Consecutive start failures after which a model is parked."
+  default     = 5
+}
+
+job "llmgw-watcher" {
+  type        = "service"
+  datacenters = var.datacenters
+  node_pool   = var.node_pool
+
+  meta {
+    llmgw_version = var.llmgw_version
+  }
+
+  group "watcher" {
+    count = 2
+
+    # Two watchers on one host would die together, which is the failure the second one is for.
+    constraint {
+      operator = "distinct_hosts"
+      value    = "true"
+    }
+
+    network {
+      port "admin" {
+        to = 4700
+      }
+    }
+
+    service {
+      name = "llmgw-watcher"
+      port = "admin"
+      tags = ["llmgw"]
+
+      check {
+        type     = "http"
+        path     = "/healthz"
+        interval = "10s"
+        timeout  = "2s"
+      }
+    }
+
+    restart {
+      attempts = 10
+      interval = "10m"
+      delay    = "10s"
+      mode     = "delay"
+    }
+
+    task "watcher" {
+      driver = "docker"
+
+      config {
+        image = "${var.image}:${var.llmgw_version}"
+        args  = ["watcher", "--listen", "0.0.0.0:4700", "--max-start-failures", "${var.max_start_failures}"]
+        ports = ["admin"]
+      }
+
+      # Tokens never appear in the jobspec: they live in a Nomad Variable that only this job's
+      # workload identity can read (nomad/jobs/<job> is readable by the job by default).
+      template {
+        destination = "${NOMAD_SECRETS_DIR}/tokens.env"
+        env         = true
+        change_mode = "restart"
+        data        = <<-EOT
+          {{- with nomadVar "nomad/jobs/llmgw-watcher" -}}
+          NOMAD_TOKEN={{ .nomad_token }}
+          CONSUL_HTTP_TOKEN={{ .consul_token }}
+          LLMGW_ADMIN_TOKEN={{ .admin_token }}
+          {{- end }}
+        EOT
+      }
+
+      env {
+        NOMAD_ADDR       = coalesce(var.nomad_addr, "http://${attr.unique.network.ip-address}:4646")
+        CONSUL_HTTP_ADDR = coalesce(var.consul_addr, "${attr.unique.network.ip-address}:8500")
+      }
+
+      resources {
+        cpu    = 200
+        memory = 256
+      }
+    }
+  }
+}

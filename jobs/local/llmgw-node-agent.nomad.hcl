@@ -1,0 +1,68 @@
+# Development variant of llmgw-node-agent.nomad.hcl: one agent per (simulated) node, run from a
+# local virtualenv through raw_exec. For the dev stack and tests only.
+
+variable "venv" {
+  type        = string
+  description = "Virtualenv with llmgw installed (its bin/llmgw is run)."
+}
+
+variable "nomad_addr" {
+  type        = string
+  description = "Nomad HTTP API."
+}
+
+variable "node_pool" {
+  type        = string
+  description = "Node pool of the GPU nodes."
+  default     = "default"
+}
+
+job "llmgw-node-agent" {
+  type        = "system"
+  datacenters = ["*"]
+  node_pool   = var.node_pool
+
+  group "agent" {
+    network {
+      port "metrics" {}
+    }
+
+    service {
+      name = "llmgw-node-agent"
+      port = "metrics"
+      tags = ["llmgw", "metrics"]
+
+      check {
+        type     = "http"
+        path     = "/metrics"
+        interval = "2s"
+        timeout  = "1s"
+      }
+    }
+
+    task "agent" {
+      driver = "raw_exec"
+
+      config {
+        command = "${var.venv}/bin/llmgw"
+        args = [
+          "node-agent",
+          "--listen", "127.0.0.1:${NOMAD_PORT_metrics}",
+          "--node-id", "${node.unique.id}",
+          "--engines-dir", "${meta.llmgw_engines_dir}",
+          "--fabric", "${meta.llmgw_fabric}",
+          "--interval", "5",
+        ]
+      }
+
+      env {
+        NOMAD_ADDR = var.nomad_addr
+      }
+
+      resources {
+        cpu    = 100
+        memory = 128
+      }
+    }
+  }
+}

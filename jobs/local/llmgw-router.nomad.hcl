@@ -1,0 +1,70 @@
+# Development variant of llmgw-router.nomad.hcl: runs llmgw from a local virtualenv through
+# raw_exec. For the dev stack and tests only.
+
+variable "venv" {
+  type        = string
+  description = "Virtualenv with llmgw installed (its bin/llmgw is run)."
+}
+
+variable "nomad_addr" {
+  type        = string
+  description = "Nomad HTTP API."
+}
+
+variable "consul_addr" {
+  type        = string
+  description = "Consul HTTP API."
+}
+
+variable "port" {
+  type        = number
+  description = "Port the router listens on."
+  default     = 8080
+}
+
+job "llmgw-router" {
+  type        = "service"
+  datacenters = ["*"]
+
+  group "router" {
+    count = 1
+
+    network {
+      port "http" {
+        static = var.port
+      }
+    }
+
+    service {
+      name = "llmgw-router"
+      port = "http"
+      tags = ["llmgw"]
+
+      check {
+        type     = "http"
+        path     = "/healthz"
+        interval = "2s"
+        timeout  = "1s"
+      }
+    }
+
+    task "router" {
+      driver = "raw_exec"
+
+      config {
+        command = "${var.venv}/bin/llmgw"
+        args    = ["router", "--listen", "127.0.0.1:${NOMAD_PORT_http}"]
+      }
+
+      env {
+        NOMAD_ADDR       = var.nomad_addr
+        CONSUL_HTTP_ADDR = var.consul_addr
+      }
+
+      resources {
+        cpu    = 500
+        memory = 256
+      }
+    }
+  }
+}

@@ -1,0 +1,81 @@
+# Development variant of llmgw-watcher.nomad.hcl: runs llmgw from a local virtualenv through
+# raw_exec, with tokens passed as plain variables. For the dev stack and tests only: on a real
+# cluster use ../llmgw-watcher.nomad.hcl, whose tokens come from Nomad Variables.
+
+variable "venv" {
+  type        = string
+  description = "Virtualenv with llmgw installed (its bin/llmgw is run)."
+}
+
+variable "nomad_addr" {
+  type        = string
+  description = "Nomad HTTP API."
+}
+
+variable "consul_addr" {
+  type        = string
+  description = "Consul HTTP API."
+}
+
+variable "admin_port" {
+  type        = number
+  description = "Base admin port; instance N listens on admin_port + N."
+  default     = 4700
+}
+
+variable "watcher_count" {
+  type        = number
+  description = "Number of watchers (one leads)."
+  default     = 2
+}
+
+variable "max_start_failures" {
+  type        = number
+  description = "Consecutive start failures after which a model is parked."
+  default     = 5
+}
+
+job "llmgw-watcher" {
+  type        = "service"
+  datacenters = ["*"]
+
+  group "watcher" {
+    count = var.watcher_count
+
+    network {
+      port "admin" {}
+    }
+
+    service {
+      name = "llmgw-watcher"
+      port = "admin"
+      tags = ["llmgw"]
+
+      check {
+        type     = "http"
+        path     = "/healthz"
+        interval = "2s"
+        timeout  = "1s"
+      }
+    }
+
+    task "watcher" {
+      driver = "raw_exec"
+
+      config {
+        command = "${var.venv}/bin/llmgw"
+        args    = ["watcher", "--listen", "127.0.0.1:${NOMAD_PORT_admin}", "--max-start-failures", "${var.max_start_failures}"]
+      }
+
+      env {
+        NOMAD_ADDR       = var.nomad_addr
+        CONSUL_HTTP_ADDR = var.consul_addr
+      }
+
+      resources {
+        cpu    = 200
+        memory = 256
+      }
+    }
+  }
+}
