@@ -1,0 +1,121 @@
+"""A small client for the llmgw admin API (served by the watcher), used by `llmgw ctl`.
+
+Its errors are typed because the CLI maps each to its own exit code: unreachable, unknown
+model, or an answer that is an error.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+
+DEFAULT_ADMIN_ADDR = "http://127.0.0.1:4700"
+
+
+class AdminUnreachable(Exception):
+    def __init__(self, addr: str, detail: str) -> None:
+        super().__init__(
+            f"cannot reach the llmgw admin API at {addr}: {detail}; "
+            "is `llmgw watcher` running? set LLMGW_ADMIN_ADDR"
+        )
+
+
+class UnknownModel(Exception):
+    def __init__(self, model: str, addr: str) -> None:
+        super().__init__(f"unknown model '{model}': the llmgw watcher at {addr} has no such model defined")
+        self.model = model
+
+
+class AdminError(Exception):
+    """The admin API answered, but not with what was asked for (auth, server error, not JSON)."""
+
+
+class AdminClient:
+    """A small synchronous client for the admin API; `retry` and the read verbs share it."""
+
+    def __init__(self, addr: str, token: str | None = None, timeout: float = 10.0) -> None:
+        addr = addr.strip() or DEFAULT_ADMIN_ADDR
+        self.addr = (addr if "://" in addr else f"http://{addr}").rstrip("/")
+        headers = {"Accept": "application/json"}
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        self._http = httpx.Client(base_url=self.addr, headers=headers, timeout=timeout)
+
+    @classmethod
+    def from_env(cls) -> AdminClient:
+        return cls(
+            os.environ.get("LLMGW_ADMIN_ADDR", DEFAULT_ADMIN_ADDR), os.environ.get("LLMGW_ADMIN_TOKEN")
+        )
+
+    def close(self) -> None:
+        self._http.close()
+
+    def request(self, method: str, path: str, *, model: str | None = None, body: Any = None) -> Any:
+        """One admin API call. `model` names the model the path is about, so a 404 means that
+        model is unknown rather than an endpoint this watcher lacks."""
+        try:
+            response = self._http.request(method, path, json=body)
+        except httpx.TransportError as exc:
+            raise AdminUnreachable(self.addr, str(exc) or type(exc).__name__) from exc
+        if response.status_code == 404 and model is not None:
+            raise UnknownModel(model, self.addr)
+        if response.status_code >= 400:
+            hint = "; check LLMGW_ADMIN_TOKEN" if response.status_code in (401, 403) else ""
+            raise AdminError(
+                f"the llmgw admin API at {self.addr} answered {method} {path} with "
+                f"{response.status_code}: {_error_message(response)}{hint}"
+            )
+        try:
+            return response.json()
+        except ValueError as exc:
+            raise AdminError(
+                f"the llmgw admin API at {self.addr} answered {method} {path} with something that is not JSON"
+            ) from exc
+
+    def get(self, path: str, *, model: str | None = None) -> Any:
+        return self.request("GET", path, model=model)
+
+    def post(self, path: str, *, model: str | None = None, body: Any = None) -> Any:
+        return self.request("POST", path, model=model, body=body)
+
+    def models_response(self) -> dict[str, Any]:
+        """`GET /v1/admin/models` as sent: `models` plus whatever else the watcher adds."""
+        data = self.get("/v1/admin/models")
+        if not isinstance(data, dict) or not isinstance(data.get("models"), list):
+            raise AdminError(f"the llmgw admin API at {self.addr} sent a model list without 'models'")
+        return data
+
+    def models(self) -> list[dict[str, Any]]:
+        return [m for m in self.models_response()["models"] if isinstance(m, dict)]
+
+    def model(self, name: str) -> dict[str, Any]:
+        data = self.get(f"/v1/admin/models/{quote(name, safe='')}", model=name)
+        if not isinstance(data, dict):
+            raise AdminError(
+                f"the llmgw admin API at {self.addr} sent something other than a model for '{name}'"
+            )
+        return data
+
+    def summary(self) -> dict[str, Any]:
+        data = self.get("/v1/admin/summary")
+        if not isinstance(data, dict):
+            raise AdminError(f"the llmgw admin API at {self.addr} sent a summary that is not an object")
+        return data
+
+
+def _error_message(response: httpx.Response) -> str:
+    # The documented body is {"error": "..."}; FastAPI's own {"detail": ...} is accepted too.
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text.strip()[:200] or response.reason_phrase
+    if isinstance(body, dict):
+        err = body.get("error", body.get("detail"))
+        if isinstance(err, dict):
+            err = err.get("message", err)
+        if err:
+            return str(err)
+    return response.text.strip()[:200]

@@ -1,0 +1,392 @@
+"""`llmgw ctl`: ask a running watcher how the fleet is doing, through its admin API.
+
+Every read verb prints a rich table for people and, with `--json`, the admin API's own JSON for
+scripts. Exit codes are part of the interface, so a cron job or a deploy pipeline can branch on
+them: 0 fine, 1 `status --check` found a model that is not serving as it should, 2 bad usage,
+3 the admin API cannot be reached, 4 unknown model, 5 the admin API answered with an error.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from nomad_driver.admin_client import (
+    DEFAULT_ADMIN_ADDR,
+    AdminClient,
+    AdminError,
+    AdminUnreachable,
+    UnknownModel,
+)
+
+EXIT_CHECK_FAILED = 1
+EXIT_UNREACHABLE = 3
+EXIT_UNKNOWN_MODEL = 4
+EXIT_ADMIN_ERROR = 5
+
+STATE_STYLES = {
+    "satisfied": "green",
+    "idle": "dim",
+    "starting": "yellow",
+    "short": "bold yellow",
+    "unplaceable": "bold red",
+    "parked": "bold red",
+}
+
+ctl_app = typer.Typer(
+    name="ctl",
+    help="Ask a running llmgw watcher how the fleet is doing (its admin API).",
+    no_args_is_help=True,
+)
+
+
+@contextmanager
+def admin_errors() -> Iterator[None]:
+    """One clear line on stderr and the documented exit code, instead of a traceback."""
+    try:
+        yield
+    except AdminUnreachable as exc:
+        typer.echo(str(exc), err=True)
+        raise typer.Exit(EXIT_UNREACHABLE) from None
+    except UnknownModel as exc:
+        typer.echo(str(exc), err=True)
+        raise typer.Exit(EXIT_UNKNOWN_MODEL) from None
+    except AdminError as exc:
+        typer.echo(str(exc), err=True)
+        raise typer.Exit(EXIT_ADMIN_ERROR) from None
+
+
+@ctl_app.callback()
+def _ctl(
+    ctx: typer.Context,
+    addr: str = typer.Option(
+        DEFAULT_ADMIN_ADDR, "--addr", envvar="LLMGW_ADMIN_ADDR", help="Admin API address."
+    ),
+    token: str | None = typer.Option(
+        None,
+        "--token",
+        envvar="LLMGW_ADMIN_TOKEN",
+        help="Bearer token for the admin API.",
+        show_default=False,
+    ),
+) -> None:
+    """Ask a running llmgw watcher how the fleet is doing (its admin API)."""
+    client = AdminClient(addr, token)
+    ctx.call_on_close(client.close)
+    ctx.obj = client
+
+
+def client_of(ctx: typer.Context) -> AdminClient:
+    """The admin client the `ctl` group built from --addr/--token (or the environment)."""
+    obj = ctx.find_object(AdminClient)
+    return obj if obj is not None else AdminClient.from_env()
+
+
+def print_json(data: Any) -> None:
+    typer.echo(json.dumps(data, indent=2, sort_keys=False))
+
+
+def _int(value: Any) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return 0
+
+
+def model_problem(model: dict[str, Any]) -> str | None:
+    """parked, unplaceable or short when a model is not serving what it should have now.
+
+    Counted from the fields as well as the state word, so an older or newer watcher's state
+    vocabulary cannot make a short model pass `--check`.
+    """
+    if model.get("parked") is True or model.get("state") == "parked":
+        return "parked"
+    if model.get("unplaceable") is True or model.get("state") == "unplaceable":
+        return "unplaceable"
+    if _int(model.get("ready")) < _int(model.get("desired")) or model.get("state") in ("short", "starting"):
+        return "short"
+    return None
+
+
+def model_reason(model: dict[str, Any]) -> str:
+    if model.get("reason"):
+        return str(model["reason"])
+    if model.get("parked"):
+        return str(model.get("last_error") or "")
+    if model.get("unplaceable"):
+        return str(model.get("placement_reason") or "")
+    return ""
+
+
+def _state_text(model: dict[str, Any]) -> Text:
+    state = str(model.get("state") or "")
+    problem = model_problem(model)
+    # A state word that contradicts the counts loses: a model short of replicas reads as short.
+    if problem and state not in ("parked", "unplaceable", "short", "starting"):
+        state = problem
+    state = state or "satisfied"
+    return Text(state, style=STATE_STYLES.get(state, ""))
+
+
+def _console() -> Console:
+    # Built per call so that it writes wherever stdout is now (a pipe, a test runner).
+    return Console(highlight=False, soft_wrap=False)
+
+
+def _problem_first(models: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    order = {"parked": 0, "unplaceable": 1, "short": 2, None: 3}
+    return sorted(models, key=lambda m: (order[model_problem(m)], str(m.get("model", ""))))
+
+
+@ctl_app.command()
+def status(
+    ctx: typer.Context,
+    models: list[str] = typer.Argument(None, help="Models to show (default all).", show_default=False),
+    as_json: bool = typer.Option(False, "--json", help="Print the admin API's JSON."),
+    check: bool = typer.Option(
+        False,
+        "--check",
+        help="Exit 1 when any model is parked, unplaceable or short of what it should have now.",
+    ),
+) -> None:
+    """Each model against what it should have now: desired, ready, state and why."""
+    client = client_of(ctx)
+    with admin_errors():
+        if models:
+            response: dict[str, Any] = {"models": [client.model(name) for name in models]}
+        else:
+            response = client.models_response()
+    rows = [m for m in response["models"] if isinstance(m, dict)]
+    if as_json:
+        print_json(response)
+    else:
+        if response.get("definitions_problem"):
+            # The watcher keeps running on the last good definitions; say so before the table.
+            typer.echo(f"model definitions not loaded: {response['definitions_problem']}", err=True)
+        table = Table(title="llmgw models against what they should have now", title_justify="left")
+        for column in ("MODEL", "DESIRED", "READY", "STATE", "REASON"):
+            table.add_column(column, justify="right" if column in ("DESIRED", "READY") else "left")
+        for m in _problem_first(rows):
+            table.add_row(
+                str(m.get("model", "")),
+                str(_int(m.get("desired"))),
+                str(_int(m.get("ready"))),
+                _state_text(m),
+                model_reason(m),
+            )
+        _console().print(table)
+    if check:
+        problems = [(str(m.get("model", "")), p) for m in rows if (p := model_problem(m))]
+        if problems:
+            listed = ", ".join(f"{name} ({problem})" for name, problem in problems)
+            typer.echo(
+                f"llmgw ctl status --check: {len(problems)} of {len(rows)} models not serving: {listed}",
+                err=True,
+            )
+            raise typer.Exit(EXIT_CHECK_FAILED)
+
+
+@ctl_app.command("models")
+def models_cmd(
+    ctx: typer.Context,
+    model: str | None = typer.Argument(None, help="One model to show in full.", show_default=False),
+    as_json: bool = typer.Option(False, "--json", help="Print the admin API's JSON."),
+) -> None:
+    """Every defined model with its replica bounds, failures and last error."""
+    client = client_of(ctx)
+    with admin_errors():
+        data: Any = client.model(model) if model else client.models_response()
+    if as_json:
+        print_json(data)
+        return
+    console = _console()
+    if model:
+        detail = Table(show_header=False, title=f"model {model}", title_justify="left")
+        detail.add_column("field", style="bold")
+        detail.add_column("value")
+        for key, value in data.items():
+            detail.add_row(str(key), _state_text(data) if key == "state" else str(value))
+        console.print(detail)
+        return
+    table = Table(title="llmgw models", title_justify="left")
+    for column in (
+        "MODEL",
+        "REPLICAS",
+        "DESIRED",
+        "READY",
+        "STARTING",
+        "FAILURES",
+        "STATE",
+        "LAST ERROR / PLACEMENT",
+    ):
+        table.add_column(column)
+    rows = [m for m in data["models"] if isinstance(m, dict)]
+    for m in sorted(rows, key=lambda m: str(m.get("model", ""))):
+        table.add_row(
+            str(m.get("model", "")),
+            _bounds(m),
+            str(_int(m.get("desired"))),
+            str(_int(m.get("ready"))),
+            str(_int(m.get("starting"))),
+            str(_int(m.get("consecutive_failures"))),
+            _state_text(m),
+            str(m.get("last_error") or m.get("placement_reason") or ""),
+        )
+    console.print(table)
+
+
+def _bounds(model: dict[str, Any]) -> str:
+    # `replicas_min`/`replicas_max` as documented; a nested `replicas: {min, max}` is read too.
+    replicas = model.get("replicas")
+    nested: dict[str, Any] = replicas if isinstance(replicas, dict) else {}
+    low = model.get("replicas_min", nested.get("min"))
+    high = model.get("replicas_max", nested.get("max"))
+    return f"{_int(low)}..{_int(high)}"
+
+
+def gpu_bar(use: dict[str, Any], width: int = 30) -> Text:
+    """Used, unhealthy, unavailable and free as one bar, so a class that only looks roomy
+    (broken or drained cards) reads differently from one that is."""
+    total = _int(use.get("total"))
+    bar = Text()
+    if total <= 0:
+        return bar.append("-" * width, style="dim")
+    parts = [
+        ("used", "█", "cyan"),
+        ("unhealthy", "█", "red"),
+        ("unavailable", "▒", "grey50"),
+        ("free", "░", "green"),
+    ]
+    drawn = 0
+    for i, (key, char, style) in enumerate(parts):
+        cells = width - drawn if i == len(parts) - 1 else round(_int(use.get(key)) * width / total)
+        cells = max(0, min(cells, width - drawn))
+        bar.append(char * cells, style=style)
+        drawn += cells
+    return bar
+
+
+def _render_summary(console: Console, s: dict[str, Any]) -> None:
+    # What needs a person comes first; capacity after.
+    parked = [p for p in s.get("parked") or [] if isinstance(p, dict)]
+    if parked:
+        console.print(
+            Text("PARKED", style="bold red")
+            + Text(" (not placed again until the definition changes or `llmgw ctl retry MODEL`)")
+        )
+        table = Table()
+        for column in ("MODEL", "FAILURES", "LAST ERROR"):
+            table.add_column(column)
+        for p in parked:
+            table.add_row(
+                str(p.get("model", "")),
+                str(_int(p.get("consecutive_failures"))),
+                str(p.get("last_error", "")),
+            )
+        console.print(table)
+    unplaceable = [u for u in s.get("unplaceable") or [] if isinstance(u, dict)]
+    if unplaceable:
+        console.print(Text("UNPLACEABLE", style="bold red") + Text(" (fits on no node now)"))
+        table = Table()
+        table.add_column("MODEL")
+        table.add_column("REASON")
+        for u in unplaceable:
+            table.add_row(str(u.get("model", "")), str(u.get("reason", "")))
+        console.print(table)
+    if not parked and not unplaceable:
+        console.print(Text("no parked or unplaceable models", style="green"))
+
+    models = s.get("models") or {}
+    parked_names = {p.get("model") for p in parked}
+    short = ", ".join(
+        f"{m.get('model')} parked"
+        if m.get("model") in parked_names
+        else f"{m.get('model')} {_int(m.get('ready'))} of {_int(m.get('desired'))} ready"
+        for m in models.get("short_models") or []
+        if isinstance(m, dict)
+    )
+    console.print(
+        f"models: {_int(models.get('total'))} total, {_int(models.get('satisfied'))} satisfied, "
+        f"{_int(models.get('short'))} short" + (f" ({short})" if short else "")
+    )
+
+    gpus = Table(title="GPUs per class", title_justify="left")
+    for column in ("CLASS", "USE", "USED", "FREE", "UNHEALTHY", "UNAVAILABLE", "TOTAL"):
+        gpus.add_column(column, justify="left" if column in ("CLASS", "USE") else "right")
+    for use in s.get("gpus") or []:
+        gpus.add_row(
+            str(use.get("class", "")),
+            gpu_bar(use),
+            *(str(_int(use.get(k))) for k in ("used", "free", "unhealthy", "unavailable", "total")),
+        )
+    console.print(gpus)
+    console.print(Text("█ used  ", style="cyan") + Text("█ unhealthy  ", style="red")
+                  + Text("▒ unavailable (down, draining, ineligible)  ", style="grey50")
+                  + Text("░ free", style="green"))  # fmt: skip
+
+    nodes = s.get("nodes") or {}
+    console.print(
+        f"nodes: {_int(nodes.get('total'))} total, {_int(nodes.get('ready'))} ready, "
+        f"{_int(nodes.get('draining'))} draining, {_int(nodes.get('ineligible'))} ineligible, "
+        f"{_int(nodes.get('down'))} down"
+    )
+    replicas = s.get("replicas") or {}
+    console.print(
+        f"replicas: {_int(replicas.get('total'))} total, {_int(replicas.get('ready'))} ready, "
+        f"{_int(replicas.get('starting'))} starting"
+    )
+
+    fabrics = s.get("fabrics") or []
+    if fabrics:
+        table = Table(title="fabrics", title_justify="left")
+        for column in ("FABRIC", "NODES", "WITH WEIGHTS", "MODELS PRESENT", "ENTIRELY FREE NODES"):
+            table.add_column(column, justify="left" if column == "FABRIC" else "right")
+        for f in fabrics:
+            table.add_row(
+                str(f.get("fabric", "")),
+                *(
+                    str(_int(f.get(k)))
+                    for k in ("nodes", "nodes_with_weights", "models_present", "largest_free_block")
+                ),
+            )
+        console.print(table)
+
+    idle = s.get("idle_replicas") or []
+    if idle:
+        table = Table(
+            title="idle replicas (ready, not asked for in 10 minutes or more)", title_justify="left"
+        )
+        for column in ("MODEL", "NODE", "ALLOCATION", "IDLE", "GPUS"):
+            table.add_column(column)
+        for r in idle:
+            minutes = _int(r.get("idle_seconds")) // 60
+            table.add_row(
+                str(r.get("model", "")),
+                str(r.get("node", "")),
+                str(r.get("alloc_id", ""))[:8],
+                f"{minutes // 60}h{minutes % 60:02d}m",
+                str(_int(r.get("gpus"))),
+            )
+        console.print(table)
+
+
+@ctl_app.command()
+def summary(
+    ctx: typer.Context,
+    as_json: bool = typer.Option(False, "--json", help="Print the admin API's JSON."),
+) -> None:
+    """The whole fleet at a glance: parked and unplaceable models first, then GPU use per class."""
+    client = client_of(ctx)
+    with admin_errors():
+        data = client.summary()
+    if as_json:
+        print_json(data)
+        return
+    _render_summary(_console(), data)
