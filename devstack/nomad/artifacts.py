@@ -1,0 +1,167 @@
+"""The prestart work that fills a task directory: `artifact` and `template` blocks.
+
+Artifacts are fetched only from local sources (`file://` URLs or absolute paths): nothing on
+these machines may reach out, and a model file the test wrote is what llmgw's `file://`
+sources point at. go-getter's modes are kept: `file` copies to exactly the destination, `dir`
+copies a directory's contents into it, `any` puts a file under the destination directory by its
+own name and unpacks archives.
+
+Templates support what a job of llmgw's needs and no more: plain text and `{{ env "NAME" }}`,
+written to `DestPath`, or turned into environment variables with `Envvars`. Anything else in
+`{{ }}` fails the task with a message that says so, rather than rendering something wrong.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import tarfile
+import zipfile
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote, urlparse
+
+from devstack.nomad.taskenv import TaskEnv
+
+Json = dict[str, Any]
+
+_ARCHIVE_SUFFIXES = (".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tar.xz", ".txz", ".tar", ".zip")
+_TEMPLATE_ACTION = re.compile(r"\{\{-?\s*(.*?)\s*-?\}\}", re.S)
+_ENV_ACTION = re.compile(r'^env\s+"([^"]+)"$')
+
+
+class ArtifactError(Exception):
+    pass
+
+
+class TemplateError(Exception):
+    pass
+
+
+def _inside(base: Path, path: Path) -> bool:
+    try:
+        path.resolve().relative_to(base.resolve())
+        return True
+    except ValueError:
+        return False
+
+
+def _local_source(source: str) -> Path:
+    parsed = urlparse(source)
+    if parsed.scheme == "file":
+        return Path(unquote(parsed.netloc + parsed.path))
+    if parsed.scheme == "" and source.startswith("/"):
+        return Path(source)
+    raise ArtifactError(
+        f"unsupported artifact source scheme {parsed.scheme or source!r}: the stand-in fetches only "
+        "file:// sources and absolute paths"
+    )
+
+
+def fetch_artifact(artifact: Json, env: TaskEnv, task_dir: Path, alloc_root: Path) -> Path:
+    """Copy one artifact into the task dir; returns the destination. Errors carry the message
+    Nomad's artifact hook would put in the task event."""
+    raw_source = str(artifact.get("GetterSource") or "")
+    source_text = env.replace(raw_source)
+    try:
+        if not source_text:
+            raise ArtifactError("source must be specified")
+        source = _local_source(source_text)
+        dest = task_dir / env.replace(str(artifact.get("RelativeDest") or "local/"))
+        if not _inside(alloc_root, dest):
+            raise ArtifactError("destination escapes allocation directory")
+        mode = str(artifact.get("GetterMode") or "any")
+        if not source.exists():
+            raise ArtifactError(f"stat {source}: no such file or directory")
+        if mode == "file":
+            if source.is_dir():
+                raise ArtifactError(f"source path is a directory: {source}")
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(source, dest)
+        elif mode == "dir" or source.is_dir():
+            if not source.is_dir():
+                if not _is_archive(source):
+                    raise ArtifactError(f"source path must be a directory: {source}")
+                _unpack(source, dest)
+            else:
+                shutil.copytree(source, dest, dirs_exist_ok=True)
+        elif mode == "any":
+            if _is_archive(source):
+                _unpack(source, dest)
+            else:
+                dest.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(source, dest / source.name)
+        else:
+            raise ArtifactError(f"invalid artifact mode {mode!r}; must be one of: any, file, dir")
+        return dest
+    except (ArtifactError, OSError, tarfile.TarError, zipfile.BadZipFile) as exc:
+        raise ArtifactError(f"failed to download artifact {_go_quote(raw_source)}: {exc}") from exc
+
+
+def _is_archive(path: Path) -> bool:
+    return path.name.endswith(_ARCHIVE_SUFFIXES)
+
+
+def _unpack(archive: Path, dest: Path) -> None:
+    dest.mkdir(parents=True, exist_ok=True)
+    if archive.name.endswith(".zip"):
+        with zipfile.ZipFile(archive) as zf:
+            for member in zf.namelist():
+                if not _inside(dest, dest / member):
+                    raise ArtifactError(f"archive member {member!r} escapes the destination")
+            zf.extractall(dest)
+        return
+    with tarfile.open(archive) as tf:
+        tf.extractall(dest, filter="data")
+
+
+def _go_quote(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def render_template(text: str, env: dict[str, str]) -> str:
+    def action(m: re.Match[str]) -> str:
+        body = m.group(1)
+        env_match = _ENV_ACTION.match(body)
+        if env_match:
+            return env.get(env_match.group(1), "")
+        raise TemplateError(
+            f"template action {{{{ {body} }}}} is not supported by the Nomad stand-in "
+            '(only plain text and {{ env "NAME" }})'
+        )
+
+    return _TEMPLATE_ACTION.sub(action, text)
+
+
+def render_templates(templates: list[Json], env: TaskEnv, task_dir: Path, alloc_root: Path) -> dict[str, str]:
+    """Render every template; returns the variables of `Envvars` templates."""
+    extra_env: dict[str, str] = {}
+    for tmpl in templates:
+        if tmpl.get("SourcePath"):
+            source = task_dir / env.replace(str(tmpl["SourcePath"]))
+            try:
+                text = source.read_text()
+            except OSError as exc:
+                raise TemplateError(f"failed to read template {source}: {exc}") from exc
+        else:
+            text = str(tmpl.get("EmbeddedTmpl") or "")
+        rendered = render_template(text, env.env)
+        dest_rel = env.replace(str(tmpl.get("DestPath") or ""))
+        if not dest_rel:
+            raise TemplateError("Must specify a destination for the template")
+        dest = task_dir / dest_rel
+        if not _inside(alloc_root, dest):
+            raise TemplateError("destination escapes allocation directory")
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.write_text(rendered)
+        perms = tmpl.get("Perms")
+        if perms:
+            dest.chmod(int(str(perms), 8))
+        if tmpl.get("Envvars"):
+            for line in rendered.splitlines():
+                line = line.strip()
+                if not line or line.startswith("#") or "=" not in line:
+                    continue
+                key, _, value = line.partition("=")
+                extra_env[key.strip()] = value
+    return extra_env
