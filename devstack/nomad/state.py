@@ -64,6 +64,14 @@ class StateStore:
         self.allocs: dict[str, Json] = {}
         self.nodes: dict[str, Json] = {}
         self.scaling_events: dict[tuple[str, str], list[Json]] = {}
+        # Secondary indexes, as memdb keeps them: a job's or a node's allocations must not cost a
+        # scan of every allocation, or a fleet of a thousand jobs answers slower with each one.
+        self._allocs_by_job: dict[tuple[str, str], dict[str, Json]] = {}
+        self._allocs_by_node: dict[str, dict[str, Json]] = {}
+        self._evals_by_job: dict[tuple[str, str], dict[str, Json]] = {}
+        # Allocations that hold resources on their node (desired "run", client not terminal):
+        # what placement packs against, kept so no placement scans finished allocations.
+        self.live_allocs: dict[str, Json] = {}
         self._table_events: dict[str, asyncio.Event] = {t: asyncio.Event() for t in TABLES}
         self._subscribers: list[asyncio.Queue[list[Event]]] = []
         self._pending: _Pending | None = None
@@ -204,6 +212,9 @@ class StateStore:
         evaluation["CreateIndex"] = existing["CreateIndex"] if existing else idx
         evaluation["ModifyIndex"] = idx
         self.evals[evaluation["ID"]] = evaluation
+        self._evals_by_job.setdefault((evaluation["Namespace"], evaluation["JobID"]), {})[
+            evaluation["ID"]
+        ] = evaluation
         return self._touch(
             "evals",
             ("Evaluation", event_type, evaluation["ID"], evaluation["Namespace"], {"Evaluation": evaluation}),
@@ -216,18 +227,25 @@ class StateStore:
         alloc["ModifyIndex"] = idx
         alloc.setdefault("AllocModifyIndex", idx)
         self.allocs[alloc["ID"]] = alloc
-        return self._touch(
-            "allocs", ("Allocation", event_type, alloc["ID"], alloc["Namespace"], {"Allocation": alloc})
-        )
+        self._allocs_by_job.setdefault((alloc["Namespace"], alloc["JobID"]), {})[alloc["ID"]] = alloc
+        self._allocs_by_node.setdefault(alloc["NodeID"], {})[alloc["ID"]] = alloc
+        if alloc["DesiredStatus"] == "run" and alloc["ClientStatus"] in ("pending", "running"):
+            self.live_allocs[alloc["ID"]] = alloc
+        else:
+            self.live_allocs.pop(alloc["ID"], None)
+        # Nomad strips the embedded job from allocation events (state/events.go); it would make
+        # every event as large as the job and repeat it once per allocation.
+        payload = {"Allocation": {k: v for k, v in alloc.items() if k != "Job"}}
+        return self._touch("allocs", ("Allocation", event_type, alloc["ID"], alloc["Namespace"], payload))
 
     def allocs_for_job(self, namespace: str, job_id: str) -> list[Json]:
-        return [a for a in self.allocs.values() if a["Namespace"] == namespace and a["JobID"] == job_id]
+        return list(self._allocs_by_job.get((namespace, job_id), {}).values())
 
     def allocs_for_node(self, node_id: str) -> list[Json]:
-        return [a for a in self.allocs.values() if a["NodeID"] == node_id]
+        return list(self._allocs_by_node.get(node_id, {}).values())
 
     def evals_for_job(self, namespace: str, job_id: str) -> list[Json]:
-        return [e for e in self.evals.values() if e["Namespace"] == namespace and e["JobID"] == job_id]
+        return list(self._evals_by_job.get((namespace, job_id), {}).values())
 
     # ----- nodes ---------------------------------------------------------------------------
 

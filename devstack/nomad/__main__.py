@@ -1,0 +1,95 @@
+"""`python -m devstack.nomad --listen HOST:PORT --nodes NODES.yaml --consul URL`: the Nomad
+stand-in as one process. It prints one line once it listens and stops every allocation's
+processes on SIGTERM or SIGINT."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import shutil
+import signal
+import sys
+import tempfile
+from pathlib import Path
+
+from aiohttp import web
+
+from devstack.nomad.clock import Clock
+from devstack.nomad.http import make_app
+from devstack.nomad.nodes import NodeSpecError, load_nodes
+from devstack.nomad.server import NomadServer
+from devstack.nomad.streams import EVENT_HEARTBEAT_S
+
+
+def _args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m devstack.nomad", description=__doc__)
+    parser.add_argument("--listen", default="127.0.0.1:4646", help="HOST:PORT for the HTTP API")
+    parser.add_argument("--nodes", required=True, type=Path, help="fleet file (YAML) of simulated nodes")
+    parser.add_argument("--consul", default=None, help="Consul HTTP address services are registered in")
+    parser.add_argument(
+        "--data-dir", type=Path, default=None, help="allocation directories (default: a temp dir)"
+    )
+    parser.add_argument(
+        "--clock-speed", type=float, default=1.0, help="run restart/reschedule delays N times faster"
+    )
+    parser.add_argument(
+        "--event-heartbeat", type=float, default=EVENT_HEARTBEAT_S, help="seconds between {} frames"
+    )
+    parser.add_argument("--log-level", default="INFO")
+    return parser.parse_args(argv)
+
+
+async def _serve(args: argparse.Namespace, data_dir: Path) -> None:
+    host, _, port_text = args.listen.rpartition(":")
+    nodes = load_nodes(args.nodes)
+    server = NomadServer(nodes, args.consul, data_dir, Clock(args.clock_speed))
+    await server.start()
+    app = make_app(server, args.listen, event_heartbeat_s=args.event_heartbeat)
+    # Open log-follow and event streams must not hold the exit up for aiohttp's default minute.
+    runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=2.0)
+    await runner.setup()
+    site = web.TCPSite(runner, host or "127.0.0.1", int(port_text))
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await site.start()
+        print(
+            f"nomad stand-in listening on http://{args.listen} ({len(nodes)} nodes, data {data_dir})",
+            flush=True,
+        )
+        await stop.wait()
+    finally:
+        # Allocations first: their processes and Consul registrations must not outlive us.
+        await server.stop()
+        await runner.cleanup()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    if not args.listen.rpartition(":")[2].isdigit():
+        print(f"--listen: expected HOST:PORT, got {args.listen!r}", file=sys.stderr)
+        return 2
+    own_dir = args.data_dir is None
+    data_dir = Path(tempfile.mkdtemp(prefix="devstack-nomad-")) if own_dir else args.data_dir
+    try:
+        asyncio.run(_serve(args, data_dir))
+    except NodeSpecError as exc:
+        print(f"--nodes: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"nomad stand-in: cannot listen on {args.listen}: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        if own_dir:
+            shutil.rmtree(data_dir, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,500 @@
+"""The stand-in's server: the store, the scheduler, the client and the event broker on one loop,
+and the write operations the HTTP layer calls (register, deregister, scale, node updates).
+
+Each operation is what Nomad's RPC endpoint does (`nomad/job_endpoint.go`, `node_endpoint.go`):
+check the request, write in one batch (one index), create the evaluation, hand it to the
+scheduler. Errors are `ApiError`s carrying Nomad's status code and message text.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from pathlib import Path
+from typing import Any
+
+from devstack.nomad.canonical import canonicalize_job, spec_changed
+from devstack.nomad.client import ClientRunner
+from devstack.nomad.clock import Clock
+from devstack.nomad.encode import duration_ns, rfc3339
+from devstack.nomad.events import EventBroker
+from devstack.nomad.nodes import NodeSpecError, node_from_spec
+from devstack.nomad.reconcile import TERMINAL_CLIENT, new_eval
+from devstack.nomad.scheduler import Scheduler
+from devstack.nomad.state import StateStore
+from devstack.nomad.validate import JobError, multierror_text, validate_job
+
+Json = dict[str, Any]
+log = logging.getLogger("devstack.nomad.server")
+
+NAMESPACE = "default"
+
+
+class ApiError(Exception):
+    """An answer Nomad gives as a plain-text body with a status code."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def write_meta(index: int) -> Json:
+    return {"Index": index, "LastContact": 0, "KnownLeader": False, "NextToken": ""}
+
+
+class NomadServer:
+    def __init__(
+        self,
+        nodes: list[Json],
+        consul_url: str | None,
+        data_dir: Path,
+        clock: Clock | None = None,
+    ) -> None:
+        self.clock = clock or Clock()
+        self.store = StateStore()
+        self.scheduler = Scheduler(self.store, self.clock)
+        self.events = EventBroker(self.store)
+        self.data_dir = data_dir
+        self.consul_url = consul_url
+        self._initial_nodes = nodes
+        self.client: ClientRunner | None = None
+
+    async def start(self) -> None:
+        self.events.start()
+        with self.store.batch():
+            for node in self._initial_nodes:
+                self.store.upsert_node(copy.deepcopy(node))
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.client = ClientRunner(
+            self.store,
+            self.clock,
+            self.data_dir,
+            self.consul_url,
+            on_alloc_update=self.scheduler.on_alloc_update,
+        )
+        self.scheduler.client = self.client
+        self.scheduler.start()
+
+    async def stop(self) -> None:
+        """Stop scheduling, then every allocation's processes, then the event stream."""
+        await self.scheduler.stop()
+        if self.client is not None:
+            await self.client.shutdown()
+        await self.events.stop()
+
+    # ----- jobs ----------------------------------------------------------------------------
+
+    def _namespace(self, ns: str | None) -> str:
+        ns = ns or NAMESPACE
+        if ns != NAMESPACE:
+            raise ApiError(400, f'nonexistent namespace "{ns}"')
+        return ns
+
+    def register(self, body: Any, path_id: str | None = None, query_ns: str | None = None) -> Json:
+        if not isinstance(body, dict) or not isinstance(body.get("Job"), dict):
+            raise ApiError(400, "Job must be specified")
+        raw = body["Job"]
+        if not raw.get("ID"):
+            raise ApiError(400, "Job ID hasn't been provided")
+        if path_id is not None and raw["ID"] != path_id:
+            raise ApiError(400, "Job ID does not match name")
+        if raw.get("Type") == "system" and any(
+            isinstance(g, dict) and g.get("Scaling") for g in raw.get("TaskGroups") or []
+        ):
+            raise ApiError(400, "Task groups with job type system do not support scaling blocks")
+        if not raw.get("Namespace") and query_ns:
+            raw = {**raw, "Namespace": query_ns}
+        now = self.clock.now_ns()
+        try:
+            job = canonicalize_job(raw, now)
+        except JobError as exc:
+            raise ApiError(exc.code, str(exc)) from None
+        self._namespace(job["Namespace"])
+        errors = validate_job(job)
+        if errors:
+            # Validation runs behind the RPC boundary with no status code, so Nomad answers 500.
+            raise ApiError(500, multierror_text(errors))
+        key = (job["Namespace"], job["ID"])
+        existing = self.store.jobs.get(key)
+        if body.get("EnforceIndex"):
+            want = int(body.get("JobModifyIndex") or 0)
+            if want == 0 and existing is not None:
+                raise ApiError(500, "Enforcing job modify index 0: job already exists")
+            if want and existing is None:
+                raise ApiError(500, f"Enforcing job modify index {want}: job does not exist")
+            if want and existing is not None and existing["JobModifyIndex"] != want:
+                raise ApiError(
+                    500,
+                    f"Enforcing job modify index {want}: job exists with conflicting job modify "
+                    f"index: {existing['JobModifyIndex']}",
+                )
+        if existing is not None:
+            old_groups = {g["Name"]: g for g in existing["TaskGroups"]}
+            for group in job["TaskGroups"]:
+                old = old_groups.get(group["Name"])
+                if old is None:
+                    continue
+                if body.get("PreserveCounts"):
+                    group["Count"] = old["Count"]
+                if group.get("Scaling") and old.get("Scaling"):
+                    group["Scaling"]["ID"] = old["Scaling"]["ID"]
+        with self.store.batch():
+            if existing is None or spec_changed(existing, job):
+                job["Version"] = existing["Version"] + 1 if existing else 0
+                job["Status"] = existing["Status"] if existing else "pending"
+                job["JobModifyIndex"] = self.store.next_index()
+                self.store.upsert_job(job)
+            else:
+                job = existing
+            evaluation = new_eval(job, "job-register", now)
+            self.store.upsert_eval(evaluation)
+            self.scheduler.refresh_job_in_batch(job["Namespace"], job["ID"])
+        self.scheduler.submit(evaluation)
+        return {
+            "EvalID": evaluation["ID"],
+            "EvalCreateIndex": evaluation["CreateIndex"],
+            "JobModifyIndex": self.store.jobs[key]["JobModifyIndex"],
+            "Warnings": "",
+            **write_meta(self.store.index),
+        }
+
+    def job(self, ns: str, job_id: str) -> Json:
+        job = self.store.jobs.get((ns, job_id))
+        if job is None:
+            raise ApiError(404, "job not found")
+        return job
+
+    def deregister(self, ns: str, job_id: str, purge: bool) -> Json:
+        key = (ns, job_id)
+        job = self.store.jobs.get(key)
+        if job is None:
+            # Nomad answers a deregister of an unknown job without an evaluation.
+            return {
+                "EvalID": "",
+                "EvalCreateIndex": 0,
+                "JobModifyIndex": 0,
+                "VolumeEvalID": "",
+                "VolumeEvalIndex": 0,
+                **write_meta(self.store.index),
+            }
+        now = self.clock.now_ns()
+        with self.store.batch():
+            index = self.store.next_index()
+            if purge:
+                self.store.delete_job(ns, job_id)
+                eval_job = job
+            else:
+                # A stop keeps the version (`upsertJobImpl` with keepVersion).
+                eval_job = {**job, "Stop": True, "JobModifyIndex": index}
+                self.store.upsert_job(eval_job, "JobDeregistered")
+            evaluation = new_eval(eval_job, "job-deregister", now, JobModifyIndex=index)
+            self.store.upsert_eval(evaluation)
+            self.scheduler.untrack(ns, job_id)
+        self.scheduler.submit(evaluation)
+        return {
+            "EvalID": evaluation["ID"],
+            "EvalCreateIndex": evaluation["CreateIndex"],
+            "JobModifyIndex": index,
+            "VolumeEvalID": "",
+            "VolumeEvalIndex": 0,
+            **write_meta(self.store.index),
+        }
+
+    def scale(self, ns: str, job_id: str, body: Any) -> Json:
+        if not isinstance(body, dict):
+            raise ApiError(400, "Request decode failed: body must be a JSON object")
+        target = body.get("Target") or {}
+        if not isinstance(target, dict):
+            raise ApiError(400, "Request decode failed: Target must be an object")
+        if target.get("Job") and target["Job"] != job_id:
+            raise ApiError(400, "job ID in payload did not match URL")
+        group_name = target.get("Group")
+        if not group_name:
+            raise ApiError(400, "missing task group name for scaling action")
+        count = body.get("Count")
+        if count is not None and (not isinstance(count, int) or isinstance(count, bool)):
+            raise ApiError(400, "Request decode failed: Count must be an integer")
+        if count is not None and count < 0:
+            raise ApiError(400, "scaling action count can't be negative")
+        if count is not None and body.get("Error"):
+            raise ApiError(400, "scaling action should not contain count if error is true")
+        key = (ns, job_id)
+        job = self.store.jobs.get(key)
+        if job is None:
+            raise ApiError(404, f'job "{job_id}" not found')
+        group = next((g for g in job["TaskGroups"] if g["Name"] == group_name), None)
+        if group is None:
+            raise ApiError(400, f'task group "{group_name}" specified for scaling does not exist in job')
+        scaling = group.get("Scaling")
+        if count is not None and scaling and not body.get("PolicyOverride"):
+            if scaling.get("Min") is not None and count < scaling["Min"]:
+                raise ApiError(
+                    400, f"group count was less than scaling policy minimum: {count} < {scaling['Min']}"
+                )
+            if scaling.get("Max") is not None and count > scaling["Max"]:
+                raise ApiError(
+                    400, f"group count was greater than scaling policy maximum: {count} > {scaling['Max']}"
+                )
+        if count is not None and job["Type"] == "system" and count > 1:
+            raise ApiError(400, 'jobs of type "system" can only be scaled between 0 and 1')
+        now = self.clock.now_ns()
+        previous = group["Count"]
+        evaluation: Json | None = None
+        with self.store.batch():
+            index = self.store.next_index()
+            if count is not None:
+                new_job = copy.deepcopy(job)
+                for g in new_job["TaskGroups"]:
+                    if g["Name"] == group_name:
+                        g["Count"] = count
+                new_job["Version"] = job["Version"] + 1
+                new_job["JobModifyIndex"] = index
+                new_job["SubmitTime"] = now
+                self.store.upsert_job(new_job)
+                evaluation = new_eval(new_job, "job-scaling", now)
+                self.store.upsert_eval(evaluation)
+            self.store.add_scaling_event(
+                ns,
+                job_id,
+                group_name,
+                {
+                    "Time": now,
+                    "Count": count,
+                    "PreviousCount": previous,
+                    "Message": body.get("Message") or "",
+                    "Error": bool(body.get("Error")),
+                    "Meta": body.get("Meta"),
+                    "EvalID": evaluation["ID"] if evaluation else None,
+                    "CreateIndex": index,
+                },
+            )
+            if evaluation is not None:
+                self.scheduler.refresh_job_in_batch(ns, job_id)
+        if evaluation is not None:
+            self.scheduler.submit(evaluation)
+        job = self.store.jobs[key]
+        return {
+            "EvalID": evaluation["ID"] if evaluation else "",
+            "EvalCreateIndex": evaluation["CreateIndex"] if evaluation else 0,
+            "JobModifyIndex": job["JobModifyIndex"],
+            "Warnings": "",
+            **write_meta(self.store.index),
+        }
+
+    def scale_status(self, ns: str, job_id: str) -> Json:
+        job = self.store.jobs.get((ns, job_id))
+        if job is None:
+            raise ApiError(404, "job not found")
+        allocs = self.store.allocs_for_job(ns, job_id)
+        events = self.store.scaling_events.get((ns, job_id), [])
+        groups: Json = {}
+        for group in job["TaskGroups"]:
+            mine = [a for a in allocs if a["TaskGroup"] == group["Name"] and a["DesiredStatus"] == "run"]
+            current = [a for a in mine if (a.get("Job") or {}).get("Version") == job["Version"]]
+            group_events = [
+                {k: v for k, v in e.items() if k != "Group"} for e in events if e["Group"] == group["Name"]
+            ]
+            groups[group["Name"]] = {
+                "Desired": group["Count"],
+                # Nomad takes Placed/Healthy/Unhealthy from the job's deployment; the stand-in has
+                # no deployments and counts the current version's allocations instead.
+                "Placed": sum(1 for a in current if a["ClientStatus"] not in ("complete", "lost")),
+                "Running": sum(1 for a in mine if a["ClientStatus"] == "running"),
+                "Healthy": sum(1 for a in current if a["ClientStatus"] == "running"),
+                "Unhealthy": sum(1 for a in current if a["ClientStatus"] == "failed"),
+                "Events": list(reversed(group_events)) or None,
+            }
+        return {
+            "JobID": job["ID"],
+            "Namespace": job["Namespace"],
+            "JobCreateIndex": job["CreateIndex"],
+            "JobModifyIndex": job["JobModifyIndex"],
+            "JobStopped": job["Stop"],
+            "TaskGroups": groups,
+        }
+
+    def validate(self, body: Any) -> Json:
+        if not isinstance(body, dict) or not isinstance(body.get("Job"), dict):
+            raise ApiError(400, "Job must be specified")
+        errors: list[str]
+        try:
+            job = canonicalize_job(body["Job"], self.clock.now_ns())
+            errors = validate_job(job)
+        except JobError as exc:
+            errors = [str(exc)]
+        return {
+            "DriverConfigValidated": True,
+            "ValidationErrors": errors or None,
+            "Error": multierror_text(errors) if errors else "",
+            "Warnings": "",
+        }
+
+    # ----- allocations ---------------------------------------------------------------------
+
+    def stop_alloc(self, alloc_id: str) -> Json:
+        """`Alloc.Stop`: mark the allocation to migrate and let the scheduler replace it."""
+        alloc = self.store.allocs.get(alloc_id)
+        if alloc is None:
+            raise ApiError(404, "alloc not found")
+        job = self.store.jobs.get((alloc["Namespace"], alloc["JobID"])) or alloc["Job"]
+        with self.store.batch():
+            transition = dict(alloc.get("DesiredTransition") or {})
+            transition["Migrate"] = True
+            self.store.upsert_alloc({**alloc, "DesiredTransition": transition})
+            evaluation = new_eval(job, "alloc-stop", self.clock.now_ns())
+            self.store.upsert_eval(evaluation)
+        self.scheduler.submit(evaluation)
+        return {"EvalID": evaluation["ID"], **write_meta(self.store.index)}
+
+    # ----- nodes ---------------------------------------------------------------------------
+
+    def node(self, node_id: str) -> Json:
+        node = self.store.nodes.get(node_id)
+        if node is None:
+            # Nomad accepts a unique ID prefix here too.
+            matches = [n for i, n in self.store.nodes.items() if i.startswith(node_id)] if node_id else []
+            if len(matches) == 1:
+                return matches[0]
+            raise ApiError(404, "node not found")
+        return node
+
+    def set_eligibility(self, node_id: str, body: Any) -> Json:
+        node = self.node(node_id)
+        eligibility = body.get("Eligibility") if isinstance(body, dict) else None
+        if eligibility not in ("eligible", "ineligible"):
+            raise ApiError(400, "invalid scheduling eligibility")
+        if eligibility == "eligible" and node.get("DrainStrategy"):
+            raise ApiError(500, "can not set node's scheduling eligibility to eligible while it is draining")
+        index = self.store.upsert_node({**node, "SchedulingEligibility": eligibility}, "NodeEligibility")
+        if eligibility == "eligible":
+            self.scheduler.capacity_changed()
+        return {"EvalIDs": None, "EvalCreateIndex": 0, "NodeModifyIndex": index, **write_meta(index)}
+
+    def drain(self, node_id: str, body: Any) -> Json:
+        """`Node.UpdateDrain`: with a spec, mark the node ineligible and migrate what runs there;
+        without one, cancel the drain (and with MarkEligible, make it eligible again)."""
+        node = self.node(node_id)
+        if not isinstance(body, dict):
+            raise ApiError(400, "Request decode failed: body must be a JSON object")
+        spec = body.get("DrainSpec")
+        if spec is not None and not isinstance(spec, dict):
+            raise ApiError(400, "Request decode failed: DrainSpec must be an object")
+        now = self.clock.now_ns()
+        eval_ids: list[str] = []
+        evals: list[Json] = []
+        with self.store.batch():
+            index = self.store.next_index()
+            if spec:
+                try:
+                    deadline = duration_ns(spec.get("Deadline") or 0)
+                except ValueError as exc:
+                    raise ApiError(400, f"Request decode failed: {exc}") from None
+                strategy = {
+                    "Deadline": deadline,
+                    "IgnoreSystemJobs": bool(spec.get("IgnoreSystemJobs")),
+                    "ForceDeadline": rfc3339(now + deadline) if deadline > 0 else rfc3339(0),
+                    "StartedAt": rfc3339(now),
+                }
+                last = {
+                    "StartedAt": rfc3339(now),
+                    "UpdatedAt": rfc3339(now),
+                    "Status": "draining",
+                    "AccessorID": "",
+                    "Meta": body.get("Meta"),
+                }
+                self.store.upsert_node(
+                    {
+                        **node,
+                        "DrainStrategy": strategy,
+                        "SchedulingEligibility": "ineligible",
+                        "LastDrain": last,
+                    },
+                    "NodeDrain",
+                )
+                jobs: dict[tuple[str, str], Json] = {}
+                for alloc in self.store.allocs_for_node(node["ID"]):
+                    if alloc["DesiredStatus"] != "run" or alloc["ClientStatus"] in TERMINAL_CLIENT:
+                        continue
+                    transition = dict(alloc.get("DesiredTransition") or {})
+                    transition["Migrate"] = True
+                    self.store.upsert_alloc({**alloc, "DesiredTransition": transition})
+                    job = self.store.jobs.get((alloc["Namespace"], alloc["JobID"]))
+                    if job is not None:
+                        jobs[(job["Namespace"], job["ID"])] = job
+                for job in jobs.values():
+                    evaluation = new_eval(job, "node-drain", now, NodeID=node["ID"], NodeModifyIndex=index)
+                    self.store.upsert_eval(evaluation)
+                    evals.append(evaluation)
+            else:
+                last = dict(node.get("LastDrain") or {})
+                if node.get("DrainStrategy"):
+                    last.update({"Status": "canceled", "UpdatedAt": rfc3339(now)})
+                eligibility = "eligible" if body.get("MarkEligible") else node["SchedulingEligibility"]
+                self.store.upsert_node(
+                    {
+                        **node,
+                        "DrainStrategy": None,
+                        "SchedulingEligibility": eligibility,
+                        "LastDrain": last or None,
+                    },
+                    "NodeDrain",
+                )
+        for evaluation in evals:
+            eval_ids.append(evaluation["ID"])
+            self.scheduler.submit(evaluation)
+        if spec and not evals:
+            self.scheduler.check_drain(node["ID"])
+        if not spec and body.get("MarkEligible"):
+            self.scheduler.capacity_changed()
+        return {
+            "EvalIDs": eval_ids or None,
+            "EvalCreateIndex": evals[0]["CreateIndex"] if evals else 0,
+            "NodeModifyIndex": index,
+            **write_meta(self.store.index),
+        }
+
+    def put_node(self, spec: Any) -> Json:
+        """Stand-in only: register or replace a simulated node from a fleet-file entry."""
+        if not isinstance(spec, dict):
+            raise ApiError(400, "node spec must be a JSON object")
+        try:
+            node = node_from_spec(spec)
+        except NodeSpecError as exc:
+            raise ApiError(400, str(exc)) from None
+        existing = self.store.nodes.get(node["ID"])
+        now = self.clock.now_ns()
+        evals: list[Json] = []
+        with self.store.batch():
+            index = self.store.upsert_node(node, "NodeRegistration")
+            if node["Status"] == "down" and (existing is None or existing["Status"] != "down"):
+                # A node that went down takes its allocations with it: one node-update
+                # evaluation per affected job replaces them elsewhere.
+                jobs = {
+                    (a["Namespace"], a["JobID"])
+                    for a in self.store.allocs_for_node(node["ID"])
+                    if a["DesiredStatus"] == "run" and a["ClientStatus"] not in TERMINAL_CLIENT
+                }
+                for key in sorted(jobs):
+                    job = self.store.jobs.get(key)
+                    if job is not None:
+                        evaluation = new_eval(
+                            job, "node-update", now, NodeID=node["ID"], NodeModifyIndex=index
+                        )
+                        self.store.upsert_eval(evaluation)
+                        evals.append(evaluation)
+        for evaluation in evals:
+            self.scheduler.submit(evaluation)
+        self.scheduler.capacity_changed()
+        return {
+            "NodeID": node["ID"],
+            "EvalIDs": [e["ID"] for e in evals] or None,
+            **write_meta(self.store.index),
+        }
+
+    # ----- client --------------------------------------------------------------------------
+
+    def log_path(self, alloc_id: str, task: str, kind: str) -> Path:
+        if self.client is None:
+            raise ApiError(500, "client not started")
+        return self.client.log_path(alloc_id, task, kind)
