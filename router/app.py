@@ -1,0 +1,408 @@
+"""The router's HTTP face: one OpenAI-compatible address for every model.
+
+A bare ASGI application rather than a framework: the hot path reads the body, parses it once,
+picks a replica and hands bytes through, and every layer a framework adds in between (request
+objects, dependency injection, response classes) was measurable against a plain aiohttp proxy.
+The four small GET endpoints do not need a framework either.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import hmac
+import logging
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from yarl import URL
+
+from router import errors
+from router import status as views
+from router.activation import Activator, NomadClient
+from router.activity import ActivityRecorder
+from router.config import RouterConfig
+from router.discovery import Discovery, Replica, Snapshot
+from router.errors import RouterError
+from router.http import ClientGone, parse_request, read_body, read_headers, send_bytes, send_error, send_json
+from router.metrics import UNKNOWN_MODEL, DiscoveryCollector, RouterMetrics
+from router.proxy import ConnectFailed, StreamBroken, Upstream, UpstreamTimeout, relay_body, response_headers
+from router.routing import Balancer, prefix_hashes, prompt_text, session_hash
+
+log = logging.getLogger("llmgw.router")
+
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+
+# Paths proxied to a replica, and whether their prompt is worth routing on.
+PROXY_PATHS = {"/v1/chat/completions": True, "/v1/completions": True, "/v1/embeddings": False}
+# A replica refusing connections is tried at most this many times per request, each a different
+# replica; past that the fleet has a wider problem than one dead replica.
+MAX_CONNECT_ATTEMPTS = 3
+CLIENT_CLOSED = 499
+
+
+class RouterApp:
+    def __init__(self, config: RouterConfig, *, activation: bool = True) -> None:
+        self.config = config
+        self.metrics = RouterMetrics()
+        self.balancer = Balancer(slack=config.affinity_slack, balance_factor=config.balance_factor)
+        self.discovery = Discovery(
+            config.consul, models_file=config.models_file, on_change=self._snapshot_changed
+        )
+        self.upstream = Upstream(config.timeouts)
+        self.nomad = NomadClient(config.nomad)
+        self.activation = activation
+        self.activator = Activator(
+            self.nomad, self.discovery, self.metrics, config.timeouts, config.retry_after_s
+        )
+        self.activity = ActivityRecorder(self.discovery.put_kv, config.activity_interval_s)
+        self._keys = tuple(k.encode() for k in config.api_keys)
+        self._urls: dict[tuple[str, int, str], URL] = {}
+        self._seen_models: set[str] = set()
+        self.metrics.add_collector(
+            DiscoveryCollector(
+                self._replica_counts, self.discovery.watch_ages, lambda: self.discovery.consul_up
+            )
+        )
+        self._started = False
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._started:
+            return
+        self._started = True
+        await self.upstream.start()
+        await self.nomad.start()
+        await self.discovery.start()
+        self.activity.start()
+        # Everything allocated so far lives as long as the process; taking it out of the
+        # collector's view keeps full collections, and the tail latency they cause, short.
+        gc.freeze()
+
+    async def stop(self) -> None:
+        if not self._started:
+            return
+        self._started = False
+        await self.activator.close()
+        await self.activity.stop()
+        await self.discovery.stop()
+        await self.nomad.close()
+        await self.upstream.close()
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                try:
+                    await self.start()
+                except Exception as exc:
+                    await send({"type": "lifespan.startup.failed", "message": str(exc)})
+                    return
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.stop()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    # -- dispatch -------------------------------------------------------------------------------
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
+        if kind == "http":
+            path = scope["path"]
+            if path in PROXY_PATHS:
+                await self._proxy(scope, receive, send, path)
+                return
+            try:
+                if path == "/v1/models":
+                    self._check_method(scope, "GET")
+                    self._authenticate(scope)
+                    await send_json(send, 200, self.models_listing())
+                elif path == "/healthz":
+                    self._check_method(scope, "GET")
+                    status, body = self.health()
+                    await send_json(send, status, body)
+                elif path == "/metrics":
+                    self._check_method(scope, "GET")
+                    payload = generate_latest(self.metrics.registry)
+                    headers = [(b"content-type", CONTENT_TYPE_LATEST.encode())]
+                    await send_bytes(send, 200, payload, headers)
+                else:
+                    raise RouterError(404, "not_found", f"no route for {scope['method']} {path}")
+            except RouterError as err:
+                await send_error(send, err)
+        elif kind == "lifespan":
+            await self._lifespan(receive, send)
+
+    def _check_method(self, scope: Scope, method: str) -> None:
+        if scope["method"] != method:
+            raise RouterError(
+                405, "method_not_allowed", f"{scope['path']} takes {method}, not {scope['method']}"
+            )
+
+    def _authenticate(self, scope: Scope) -> None:
+        if not self._keys:
+            return
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                self._check_key(value)
+                return
+        raise errors.unauthorized("missing API key: send it as 'Authorization: Bearer <key>'")
+
+    def _check_key(self, header: bytes) -> None:
+        scheme, _, token = header.partition(b" ")
+        token = token.strip()
+        matched = False
+        # Every key is compared, match or not, so the time taken says nothing about which
+        # key, or how much of one, a guess got right.
+        for key in self._keys:
+            matched |= hmac.compare_digest(key, token)
+        if scheme.lower() != b"bearer" or not matched:
+            raise errors.unauthorized("invalid API key")
+
+    # -- the proxied endpoints ----------------------------------------------------------------------
+
+    async def _proxy(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
+        arrived = time.monotonic()
+        label = UNKNOWN_MODEL
+        status = 500
+        try:
+            if scope["method"] != "POST":
+                raise RouterError(405, "method_not_allowed", f"{path} takes POST, not {scope['method']}")
+            auth, session_header = read_headers(scope, self.config.limits)
+            if self._keys:
+                if auth is None:
+                    raise errors.unauthorized("missing API key: send it as 'Authorization: Bearer <key>'")
+                self._check_key(auth)
+            body = await read_body(receive, self.config.limits.max_body_bytes)
+            request = parse_request(body)
+            model = request["model"]
+            snapshot = self.discovery.snapshot
+            ready = snapshot.ready.get(model)
+            if not ready:
+                if not self.discovery.has_snapshot:
+                    raise RouterError(
+                        503,
+                        "router_starting",
+                        "the router has not read the fleet from Consul yet; retry in a second",
+                        type_="server_error",
+                        headers=((b"retry-after", b"1"),),
+                    )
+                if model not in snapshot.known_models():
+                    raise errors.model_not_found(model, snapshot.known_models())
+                label = model
+                await self._without_replica(model, snapshot, arrived)
+            label = model
+            self.activity.touch(model)
+            status = await self._forward(receive, send, path, model, body, request, session_header, arrived)
+        except RouterError as err:
+            status = err.status
+            await send_error(send, err)
+        except ClientGone:
+            status = CLIENT_CLOSED
+        except StreamBroken:
+            # Re-raised so that the server drops the connection mid-body (see _respond).
+            status = 502
+            raise
+        finally:
+            self.metrics.count_request(label, status, time.monotonic() - arrived)
+
+    async def _without_replica(self, model: str, snapshot: Snapshot, arrived: float) -> None:
+        """Refuse, or activate and wait; returns only when `model` has a ready replica."""
+        state = snapshot.states.get(model)
+        if state is not None and state.parked:
+            self.metrics.refusals.labels(model, "parked").inc()
+            raise errors.parked(model, state.consecutive_failures, state.last_error)
+        definition = snapshot.models.get(model)
+        if definition is None or not self.activation:
+            if state is not None and state.unplaceable:
+                # Nothing here can ask Nomad again, so the watcher's last answer is the best one.
+                self.metrics.refusals.labels(model, "unplaceable").inc()
+                raise errors.unplaceable(model, state.placement_reason)
+            raise RouterError(
+                503,
+                "no_ready_replica",
+                f"model '{model}' has no ready replica"
+                + ("" if definition else " and no definition to start one from")
+                + f"; retry in {self.config.retry_after_s}s",
+                type_="model_unavailable",
+                headers=((b"retry-after", str(self.config.retry_after_s).encode()),),
+            )
+        await self.activator.activate(definition, arrived)
+
+    async def _forward(
+        self,
+        receive: Receive,
+        send: Send,
+        path: str,
+        model: str,
+        body: bytes,
+        request: dict[str, Any],
+        session_header: bytes | None,
+        arrived: float,
+    ) -> int:
+        balancer = self.balancer
+        tried: list[str] = []
+        prefix: list[int] | None = None
+        session: int | None = None
+        failure = ""
+        for _ in range(MAX_CONNECT_ATTEMPTS):
+            snapshot = self.discovery.snapshot
+            ready = snapshot.ready.get(model, ())
+            now = time.monotonic()
+            if len(ready) == 1 and not tried and not balancer.ejected(now):
+                # One replica, no choice to make: skip hashing the prompt.
+                replica_id: str | None = ready[0].id
+            else:
+                if prefix is None:
+                    prefix, session = self._routing_keys(path, request, session_header)
+                replica_id = balancer.choose(
+                    model, [r.id for r in ready], prefix=prefix, session=session, exclude=tried, now=now
+                )
+            if replica_id is None:
+                break
+            replica = snapshot.by_id[replica_id]
+            balancer.acquire(replica_id)
+            try:
+                try:
+                    resp = await self.upstream.open(self._url(replica, path), body)
+                except ConnectFailed as exc:
+                    tried.append(replica_id)
+                    failure = f"{replica_id} at {replica.host}:{replica.port}: {exc}"
+                    self._replica_failed(replica, "connect", failure)
+                    continue
+                except UpstreamTimeout as exc:
+                    raise RouterError(
+                        504,
+                        "upstream_timeout",
+                        f"replica {replica_id} of model '{model}' accepted the request but {exc}",
+                        type_="server_error",
+                    ) from exc
+                try:
+                    return await self._respond(resp, receive, send, replica, arrived)
+                finally:
+                    resp.release()
+            finally:
+                balancer.release(replica_id)
+        raise RouterError(
+            502,
+            "upstream_unavailable",
+            f"no replica of model '{model}' accepted the request"
+            + (f" ({len(tried)} tried; last: {failure})" if tried else " (none is ready)")
+            + "; retry shortly",
+            type_="server_error",
+            headers=((b"retry-after", b"1"),),
+        )
+
+    async def _respond(
+        self, resp: Any, receive: Receive, send: Send, replica: Replica, arrived: float
+    ) -> int:
+        model = replica.model
+        headers = response_headers(resp, ((b"x-llmgw-replica", replica.id.encode()),))
+        if resp.content_length is not None:
+            try:
+                payload = await resp.read()
+            except Exception as exc:
+                # Nothing has gone to the client yet, so it gets a proper error answer.
+                self._replica_failed(replica, "stream", f"{replica.id}: {exc!r}")
+                raise RouterError(
+                    502,
+                    "upstream_failed",
+                    f"replica {replica.id} of model '{model}' failed while answering "
+                    f"({type(exc).__name__}); retry",
+                    type_="server_error",
+                ) from exc
+            headers.append((b"content-length", str(len(payload)).encode()))
+            await send({"type": "http.response.start", "status": resp.status, "headers": headers})
+            self.metrics.observe_ttfb(model, time.monotonic() - arrived)
+            await send({"type": "http.response.body", "body": payload, "more_body": False})
+            return int(resp.status)
+
+        await send({"type": "http.response.start", "status": resp.status, "headers": headers})
+        client_gone = asyncio.ensure_future(receive())
+        try:
+            complete = await relay_body(
+                resp,
+                send,
+                between_chunks_s=self.config.timeouts.between_chunks_s,
+                on_first_byte=lambda: self.metrics.observe_ttfb(model, time.monotonic() - arrived),
+                client_gone=client_gone,
+            )
+        except StreamBroken as exc:
+            resp.close()
+            self._replica_failed(replica, "stream", f"{replica.id}: {exc}")
+            if resp.content_type != "text/event-stream":
+                # No way to say "error" inside a plain body: drop the connection, so the
+                # client sees a truncated answer rather than a complete-looking wrong one.
+                raise
+            err = RouterError(
+                502,
+                "upstream_failed",
+                f"replica {replica.id} of model '{model}' failed mid-stream: {exc}; retry the request",
+                type_="server_error",
+            )
+            await send({"type": "http.response.body", "body": err.sse_frame(), "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return 502
+        finally:
+            client_gone.cancel()
+        if not complete:
+            # Closing, not releasing: the engine sees the connection go and stops generating.
+            resp.close()
+            return CLIENT_CLOSED
+        return int(resp.status)
+
+    def _routing_keys(
+        self, path: str, request: dict[str, Any], session_header: bytes | None
+    ) -> tuple[list[int], int | None]:
+        session: int | None = None
+        if session_header:
+            session = session_hash(session_header.decode("latin-1"))
+        else:
+            user = request.get("user")
+            if isinstance(user, str) and user:
+                session = session_hash(user)
+        prefix = prefix_hashes(prompt_text(request)) if PROXY_PATHS[path] else []
+        return prefix, session
+
+    def _url(self, replica: Replica, path: str) -> URL:
+        key = (replica.host, replica.port, path)
+        url = self._urls.get(key)
+        if url is None:
+            url = self._urls[key] = URL(replica.base_url + path)
+        return url
+
+    def _replica_failed(self, replica: Replica, phase: str, detail: str) -> None:
+        self.metrics.upstream_failures.labels(replica.model, phase).inc()
+        self.balancer.eject(replica.id, time.monotonic() + self.config.eject_s)
+        log.warning("replica %s of %s failed (%s): %s", replica.id, replica.model, phase, detail)
+
+    def _snapshot_changed(self, before: Snapshot, after: Snapshot) -> None:
+        for replica_id, replica in before.by_id.items():
+            if replica_id not in after.by_id:
+                self.balancer.forget(replica.model, replica_id)
+                for path in PROXY_PATHS:
+                    self._urls.pop((replica.host, replica.port, path), None)
+        for model in set(after.models) - self._seen_models:
+            self.metrics.ensure_model(model)
+            self._seen_models.add(model)
+
+    # -- the read-only endpoints --------------------------------------------------------------------
+
+    def models_listing(self) -> dict[str, Any]:
+        return views.models_listing(self.discovery.snapshot, self.activator.in_flight)
+
+    def health(self) -> tuple[int, dict[str, Any]]:
+        return views.health(self.discovery, self.config.consul.addr)
+
+    def _replica_counts(self) -> list[tuple[str, str, int]]:
+        return views.replica_counts(self.discovery.snapshot, self.balancer.ejected(time.monotonic()))
+
+
+def create_app(config: RouterConfig, *, activation: bool = True) -> RouterApp:
+    return RouterApp(config, activation=activation)

@@ -1,0 +1,192 @@
+"""Router settings, from flags and the environment HashiCorp's own tools read.
+
+Every upstream phase has its own timeout because the phases fail differently: a dead replica
+refuses or drops a connection in milliseconds, while a healthy one may think for minutes before
+its first token on a long prompt. One number for both would either hang requests on dead
+replicas or cut off long prefills.
+"""
+
+from __future__ import annotations
+
+import os
+import ssl
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DEFAULT_LISTEN = "127.0.0.1:8080"
+DEFAULT_CONSUL = "http://127.0.0.1:8500"
+DEFAULT_NOMAD = "http://127.0.0.1:4646"
+ENGINE_SERVICE = "llmgw-engine"
+
+
+class ConfigError(ValueError):
+    """A setting that cannot work; the message names the flag or variable."""
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    # Connecting is local-network work; a replica that has not accepted in 3 s is gone or
+    # wedged, and the request is better retried on another one while nothing was sent.
+    connect_s: float = 3.0
+    # Until the response starts (headers, and for a stream the first event): a long prompt's
+    # prefill on a busy replica takes minutes, so this is generous on purpose.
+    first_byte_s: float = 600.0
+    # Between two chunks of a stream once it flows: decoding emits a token every few
+    # milliseconds, so a two-minute silence is a hung engine, not a slow one.
+    between_chunks_s: float = 120.0
+    # How long a request waits for the model's activation evaluation from Nomad; the
+    # scheduler answers in well under a second unless it is badly backed up.
+    evaluation_s: float = 30.0
+
+
+@dataclass(frozen=True)
+class Limits:
+    # Chat requests with long contexts are a few hundred KiB of JSON; 8 MiB leaves room for
+    # embeddings batches while keeping one client from holding the router's memory.
+    max_body_bytes: int = 8 * 1024 * 1024
+    max_header_bytes: int = 64 * 1024
+    max_headers: int = 100
+
+
+@dataclass(frozen=True)
+class ConsulSettings:
+    addr: str = DEFAULT_CONSUL
+    token: str = ""
+    cacert: str = ""
+    client_cert: str = ""
+    client_key: str = ""
+    service: str = ENGINE_SERVICE
+    # Consul caps a blocking wait at 10 minutes; under a minute keeps every HTTP timeout in
+    # the chain (proxies, load balancers) from cutting a healthy watch.
+    wait_s: float = 55.0
+
+    def ssl_context(self) -> ssl.SSLContext | None:
+        return _ssl_context(self.addr, self.cacert, self.client_cert, self.client_key)
+
+
+@dataclass(frozen=True)
+class NomadSettings:
+    addr: str = DEFAULT_NOMAD
+    token: str = ""
+    namespace: str = ""
+    region: str = ""
+    cacert: str = ""
+    client_cert: str = ""
+    client_key: str = ""
+
+    def ssl_context(self) -> ssl.SSLContext | None:
+        return _ssl_context(self.addr, self.cacert, self.client_cert, self.client_key)
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    consul: ConsulSettings = field(default_factory=ConsulSettings)
+    nomad: NomadSettings = field(default_factory=NomadSettings)
+    # Empty means no authentication: the router then trusts whatever network reaches it.
+    api_keys: tuple[str, ...] = ()
+    tls_cert: str = ""
+    tls_key: str = ""
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    limits: Limits = field(default_factory=Limits)
+    # Fallback definitions when `llmgw/config/models` is not in Consul.
+    models_file: str = ""
+    # Often enough that the watcher sees a model in use well inside any idle timeout, rarely
+    # enough that a busy router writes a handful of keys per second, not one per request.
+    activity_interval_s: float = 5.0
+    # Affinity may put this many more requests in flight on a replica than the least loaded one
+    # has, and then only within `balance_factor` of the average, before load wins.
+    affinity_slack: int = 2
+    balance_factor: float = 1.5
+    # A replica that refused a connection or died mid-stream gets no new requests for this
+    # long, bridging the second or two until its Consul check turns critical.
+    eject_s: float = 5.0
+    retry_after_s: int = 10
+
+
+def parse_listen(value: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host:
+        raise ConfigError(f"listen address {value!r}: expected HOST:PORT, e.g. 127.0.0.1:8080")
+    try:
+        number = int(port)
+    except ValueError:
+        raise ConfigError(f"listen address {value!r}: port {port!r} is not a number") from None
+    if not 0 <= number <= 65535:
+        raise ConfigError(f"listen address {value!r}: port {number} is out of range")
+    return host.strip("[]"), number
+
+
+def normalise_addr(addr: str, ssl_flag: str = "") -> str:
+    """`127.0.0.1:8500` (how CONSUL_HTTP_ADDR is often written) becomes a URL."""
+    addr = addr.strip().rstrip("/")
+    if "://" in addr:
+        return addr
+    scheme = "https" if ssl_flag.lower() in ("1", "true", "yes") else "http"
+    return f"{scheme}://{addr}"
+
+
+def load_api_keys(path: str = "", env_value: str = "") -> tuple[str, ...]:
+    """One key a line from the file (blank lines and `#` comments skipped), plus the
+    comma-separated `LLMGW_API_KEYS`."""
+    keys: list[str] = []
+    if path:
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(f"--api-keys-file {path}: cannot read: {exc.strerror or exc}") from None
+        for line in text.splitlines():
+            line = line.strip()
+            if line and not line.startswith("#"):
+                keys.append(line)
+        if not keys:
+            raise ConfigError(f"--api-keys-file {path}: no keys in it; remove the flag to disable auth")
+    keys.extend(k.strip() for k in env_value.split(",") if k.strip())
+    return tuple(dict.fromkeys(keys))
+
+
+def consul_from_env(env: Mapping[str, str]) -> ConsulSettings:
+    return ConsulSettings(
+        addr=normalise_addr(env.get("CONSUL_HTTP_ADDR") or DEFAULT_CONSUL, env.get("CONSUL_HTTP_SSL", "")),
+        token=env.get("CONSUL_HTTP_TOKEN", ""),
+        cacert=env.get("CONSUL_CACERT", ""),
+        client_cert=env.get("CONSUL_CLIENT_CERT", ""),
+        client_key=env.get("CONSUL_CLIENT_KEY", ""),
+    )
+
+
+def nomad_from_env(env: Mapping[str, str]) -> NomadSettings:
+    return NomadSettings(
+        addr=normalise_addr(env.get("NOMAD_ADDR") or DEFAULT_NOMAD),
+        token=env.get("NOMAD_TOKEN", ""),
+        namespace=env.get("NOMAD_NAMESPACE", ""),
+        region=env.get("NOMAD_REGION", ""),
+        cacert=env.get("NOMAD_CACERT", ""),
+        client_cert=env.get("NOMAD_CLIENT_CERT", ""),
+        client_key=env.get("NOMAD_CLIENT_KEY", ""),
+    )
+
+
+def from_env(env: Mapping[str, str] | None = None, **overrides: object) -> RouterConfig:
+    env = os.environ if env is None else env
+    host, port = parse_listen(env.get("LLMGW_ROUTER_LISTEN") or DEFAULT_LISTEN)
+    values: dict[str, object] = {
+        "host": host,
+        "port": port,
+        "consul": consul_from_env(env),
+        "nomad": nomad_from_env(env),
+        "api_keys": load_api_keys("", env.get("LLMGW_API_KEYS", "")),
+    }
+    values.update(overrides)
+    return RouterConfig(**values)  # type: ignore[arg-type]
+
+
+def _ssl_context(addr: str, cacert: str, cert: str, key: str) -> ssl.SSLContext | None:
+    if not addr.startswith("https://"):
+        return None
+    ctx = ssl.create_default_context(cafile=cacert or None)
+    if cert:
+        ctx.load_cert_chain(cert, key or None)
+    return ctx

@@ -1,0 +1,109 @@
+"""Errors in OpenAI's shape, so every client library shows the router's reason as its own.
+
+`{"error": {"message", "type", "param", "code"}}`: the official SDKs put `message` in the
+exception text and the whole object in `.body`, so `code` is what a program branches on and
+`message` is what a person reads. Each error says what failed, for which model, and what to do.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+
+# The SDKs retry 408, 409, 429 and 5xx unless told not to; a refusal that will give the same
+# answer on every retry must say so, or a client retries it forever (the phi-4 incident).
+NO_RETRY: tuple[tuple[bytes, bytes], ...] = ((b"x-should-retry", b"false"),)
+
+
+class RouterError(Exception):
+    """An answer the router gives instead of a replica's."""
+
+    def __init__(
+        self,
+        status: int,
+        code: str,
+        message: str,
+        *,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        headers: Iterable[tuple[bytes, bytes]] = (),
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.type = type_
+        self.param = param
+        self.headers = tuple(headers)
+
+    def body(self) -> bytes:
+        return error_body(self.message, self.type, self.code, self.param)
+
+    def sse_frame(self) -> bytes:
+        """The same error as one server-sent event, for a stream that already started: the
+        SDKs raise on a `data:` frame whose object has an `error` key."""
+        return b"data: " + self.body() + b"\n\n"
+
+
+def error_body(message: str, type_: str, code: str, param: str | None = None) -> bytes:
+    return json.dumps({"error": {"message": message, "type": type_, "param": param, "code": code}}).encode()
+
+
+def bad_request(message: str, code: str = "invalid_request", param: str | None = None) -> RouterError:
+    return RouterError(400, code, message, param=param)
+
+
+def unauthorized(message: str) -> RouterError:
+    return RouterError(
+        401,
+        "invalid_api_key",
+        message,
+        type_="authentication_error",
+        headers=((b"www-authenticate", b'Bearer realm="llmgw"'),),
+    )
+
+
+def model_not_found(model: str, known: Iterable[str]) -> RouterError:
+    names = sorted(known)
+    listed = ", ".join(names) if names else "none are defined"
+    return RouterError(
+        404,
+        "model_not_found",
+        f"model '{model}' does not exist; known models: {listed}",
+        param="model",
+    )
+
+
+def parked(model: str, failures: int, last_error: str) -> RouterError:
+    reason = last_error or "no error was recorded"
+    return RouterError(
+        503,
+        "model_parked",
+        f"model '{model}' is parked after {failures} consecutive start failures: {reason}; "
+        f"fix the source or profile, or run 'llmgw ctl retry {model}'",
+        type_="model_unavailable",
+        headers=NO_RETRY,
+    )
+
+
+def unplaceable(model: str, reason: str) -> RouterError:
+    why = reason or "Nomad found no node for it"
+    return RouterError(
+        503,
+        "model_unplaceable",
+        f"model '{model}' cannot be placed on any node: {why}; free capacity (stop or scale down "
+        "other models, add nodes) or change its profile, then ask again",
+        type_="model_unavailable",
+        headers=NO_RETRY,
+    )
+
+
+def loading(model: str, waited_s: float, retry_after_s: int) -> RouterError:
+    return RouterError(
+        503,
+        "model_loading",
+        f"model '{model}' was placed but no replica became ready within {waited_s:.0f}s; "
+        f"it is still starting, retry in {retry_after_s}s",
+        type_="model_unavailable",
+        headers=((b"retry-after", str(retry_after_s).encode()),),
+    )

@@ -1,0 +1,111 @@
+"""Reading a request within the limits, and writing the router's own small answers."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from router import errors
+from router.config import Limits
+from router.errors import RouterError
+
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+
+JSON = (b"content-type", b"application/json")
+
+
+class ClientGone(Exception):
+    """The client hung up before its request was read."""
+
+
+def read_headers(scope: Scope, limits: Limits) -> tuple[bytes | None, bytes | None]:
+    """The authorization and session headers, once the limits are checked; a body announced
+    as too large is refused before a byte of it is read."""
+    headers = scope["headers"]
+    if len(headers) > limits.max_headers:
+        raise RouterError(431, "headers_too_large", f"{len(headers)} headers; at most {limits.max_headers}")
+    auth = session = length = None
+    total = 0
+    for name, value in headers:
+        total += len(name) + len(value)
+        if name == b"authorization":
+            auth = value
+        elif name == b"x-llmgw-session":
+            session = value
+        elif name == b"content-length":
+            length = value
+    if total > limits.max_header_bytes:
+        raise RouterError(
+            431, "headers_too_large", f"{total} bytes of headers; at most {limits.max_header_bytes}"
+        )
+    if length is not None:
+        try:
+            size = int(length)
+        except ValueError:
+            raise errors.bad_request(f"Content-Length {length!r} is not a number") from None
+        if size > limits.max_body_bytes:
+            raise too_large(size, limits.max_body_bytes)
+    return auth, session
+
+
+async def read_body(receive: Receive, limit: int) -> bytes:
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone
+        chunk = message.get("body", b"")
+        if chunk:
+            size += len(chunk)
+            if size > limit:
+                raise too_large(size, limit)
+            chunks.append(chunk)
+        if not message.get("more_body", False):
+            break
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def parse_request(body: bytes) -> dict[str, Any]:
+    if not body:
+        raise errors.bad_request("the request body is empty; expected a JSON object with a 'model' field")
+    try:
+        request = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise errors.bad_request(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(request, dict):
+        raise errors.bad_request(
+            f"the request body must be a JSON object, not a {type(request).__name__}", code="invalid_json"
+        )
+    model = request.get("model")
+    if not isinstance(model, str) or not model:
+        raise errors.bad_request(
+            "'model' is required: the name of the model to use, as listed by GET /v1/models",
+            code="missing_model",
+            param="model",
+        )
+    return request
+
+
+def too_large(size: int, limit: int) -> RouterError:
+    return errors.bad_request(
+        f"the request body is {size} bytes; the router accepts at most {limit} bytes",
+        code="request_too_large",
+    )
+
+
+async def send_bytes(send: Send, status: int, payload: bytes, headers: list[tuple[bytes, bytes]]) -> None:
+    headers.append((b"content-length", str(len(payload)).encode()))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": payload, "more_body": False})
+
+
+async def send_json(send: Send, status: int, body: Any) -> None:
+    await send_bytes(send, status, json.dumps(body).encode(), [JSON])
+
+
+async def send_error(send: Send, err: RouterError) -> None:
+    await send_bytes(send, err.status, err.body(), [JSON, *err.headers])

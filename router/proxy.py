@@ -1,0 +1,166 @@
+"""The upstream half of the request path: one aiohttp session with a keep-alive pool to every
+replica, and the relay that passes a replica's answer back to the client as it arrives.
+
+Failures are sorted by what the client has seen. Before the replica answered anything the
+request can go to another replica and the client never knows (`ConnectFailed`). Once a stream
+is flowing, the client gets the events that arrived whole and then one error event, so the SDK
+raises instead of waiting forever or parsing half an event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+import aiohttp
+from yarl import URL
+
+from router.config import Timeouts
+
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+
+# Headers that describe one hop, not the answer; the router's own server sets them for its hop.
+HOP_HEADERS = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"transfer-encoding",
+        b"content-length",
+        b"date",
+        b"server",
+        b"proxy-connection",
+        b"upgrade",
+        b"te",
+        b"trailer",
+    }
+)
+UPSTREAM_HEADERS = {"Content-Type": "application/json", "Accept-Encoding": "identity"}
+
+
+class ConnectFailed(Exception):
+    """Nothing came back from the replica: safe to try another one."""
+
+
+class UpstreamTimeout(Exception):
+    """The replica accepted the request but said nothing within the first-byte timeout."""
+
+
+class StreamBroken(Exception):
+    """The replica's answer stopped part way; carries what the client should be told."""
+
+
+class Upstream:
+    def __init__(self, timeouts: Timeouts) -> None:
+        self.timeouts = timeouts
+        self._session: aiohttp.ClientSession | None = None
+        self._request_timeout = aiohttp.ClientTimeout(
+            total=None,
+            connect=None,
+            sock_connect=timeouts.connect_s,
+            # Governs every socket read: the response head, a whole non-streamed body, and a
+            # stream's first event; `between_chunks_s` tightens it once a stream flows.
+            sock_read=timeouts.first_byte_s,
+        )
+
+    async def start(self) -> None:
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(
+                limit=1024,
+                limit_per_host=0,
+                # Engines keep idle connections for a while too (uvicorn: 5 s); closing ours
+                # first avoids writing a request into a socket the engine is closing.
+                keepalive_timeout=4.0,
+                ttl_dns_cache=300,
+            ),
+            timeout=self._request_timeout,
+            auto_decompress=False,
+            skip_auto_headers=("User-Agent",),
+        )
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def open(self, url: URL, body: bytes) -> aiohttp.ClientResponse:
+        assert self._session is not None, "upstream session not started"
+        try:
+            return await self._session.post(url, data=body, headers=UPSTREAM_HEADERS)
+        except aiohttp.ConnectionTimeoutError as exc:
+            raise ConnectFailed(f"connect timed out after {self.timeouts.connect_s:g}s") from exc
+        except aiohttp.SocketTimeoutError as exc:
+            raise UpstreamTimeout(f"no answer within {self.timeouts.first_byte_s:g}s") from exc
+        except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+            # A refused connection, or a kept-alive one the replica had already closed: the
+            # replica has not started on this request.
+            raise ConnectFailed(str(exc) or type(exc).__name__) from exc
+
+
+def response_headers(
+    resp: aiohttp.ClientResponse, extra: tuple[tuple[bytes, bytes], ...]
+) -> list[tuple[bytes, bytes]]:
+    headers = [(k.lower(), v) for k, v in resp.raw_headers if k.lower() not in HOP_HEADERS]
+    headers.extend(extra)
+    return headers
+
+
+def event_end(data: bytes) -> int:
+    """Where the last complete server-sent event in `data` ends (0: none yet). Events end with
+    a blank line; sse-starlette, which llama-cpp-python uses, writes CRLF line ends."""
+    lf = data.rfind(b"\n\n")
+    crlf = data.rfind(b"\r\n\r\n")
+    return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
+
+
+async def relay_body(
+    resp: aiohttp.ClientResponse,
+    send: Send,
+    *,
+    between_chunks_s: float,
+    on_first_byte: Callable[[], None],
+    client_gone: asyncio.Future[Any] | None = None,
+) -> bool:
+    """Pass a streamed body through chunk by chunk. Server-sent events are cut only at event
+    boundaries, so that if the replica dies the client has whole events and then the error.
+    False when the client went away first."""
+    sse = resp.content_type == "text/event-stream"
+    content = resp.content
+    pending = b""
+    first = True
+    try:
+        while True:
+            if first:
+                chunk = await content.readany()
+            else:
+                async with asyncio.timeout(between_chunks_s):
+                    chunk = await content.readany()
+            if not chunk:
+                break
+            if sse:
+                data = pending + chunk if pending else chunk
+                cut = event_end(data)
+                if cut == 0:
+                    pending = data
+                    continue
+                chunk, pending = data[:cut], data[cut:]
+            if first:
+                on_first_byte()
+                first = False
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            if client_gone is not None and client_gone.done():
+                # The client hung up: stop reading so the engine sees the close and stops
+                # generating for nobody.
+                return False
+    except TimeoutError as exc:
+        raise StreamBroken(f"the replica sent nothing for {between_chunks_s:g}s mid-stream") from exc
+    except aiohttp.SocketTimeoutError as exc:
+        raise StreamBroken("the replica sent nothing before the first-byte timeout") from exc
+    except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+        raise StreamBroken(f"the replica's connection broke mid-stream ({type(exc).__name__})") from exc
+    if pending:
+        await send({"type": "http.response.body", "body": pending, "more_body": True})
+    if first:
+        on_first_byte()
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
+    return True

@@ -1,0 +1,259 @@
+"""Shared pieces for the router tests: the router itself served by uvicorn in a thread, a
+stub engine process, and replica registration in Consul exactly as Nomad does it for the
+engine job (service `llmgw-engine`, tag and meta `model`, an HTTP check on `/v1/models`)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+
+from devstack import lifetime
+from devstack.ports import free_port
+from router.app import RouterApp
+from router.config import ConsulSettings, NomadSettings, RouterConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def wait_until(predicate: Callable[[], Any], timeout: float = 15.0, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+@dataclass
+class RunningRouter:
+    app: RouterApp
+    url: str
+    server: uvicorn.Server
+    thread: threading.Thread
+
+    def metric(self, name: str, **labels: str) -> float:
+        value = self.app.metrics.registry.get_sample_value(name, labels)
+        return value or 0.0
+
+    def expect_metric(self, name: str, expected: float, timeout: float = 5.0, **labels: str) -> None:
+        """The router counts a request after its last byte, which the client may read first."""
+        deadline = time.monotonic() + timeout
+        while self.metric(name, **labels) != expected and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert self.metric(name, **labels) == expected, (name, labels)
+
+    def requests_counted(self, model: str) -> float:
+        """Requests the router answered for `model`, any status."""
+        total = 0.0
+        for family in self.app.metrics.registry.collect():
+            if family.name != "llmgw_router_requests":
+                continue
+            for sample in family.samples:
+                if sample.name.endswith("_total") and sample.labels.get("model") == model:
+                    total += sample.value
+        return total
+
+    def wait_ready(self, model: str, count: int, timeout: float = 20.0) -> None:
+        wait_until(
+            lambda: len(self.app.discovery.snapshot.ready.get(model, ())) == count,
+            timeout,
+            f"{count} ready replicas of {model} in the router's snapshot",
+        )
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(15)
+
+
+StartRouter = Callable[..., RunningRouter]
+
+
+@pytest.fixture
+def start_router() -> Iterator[StartRouter]:
+    """`start_router(consul_url, activation=False, nomad_url=None, **config_overrides)`; every
+    router is stopped at teardown."""
+    started: list[RunningRouter] = []
+
+    def start(
+        consul_url: str, *, activation: bool = False, nomad_url: str | None = None, **overrides: Any
+    ) -> RunningRouter:
+        port = free_port()
+        config = RouterConfig(
+            host="127.0.0.1",
+            port=port,
+            consul=ConsulSettings(addr=consul_url, wait_s=10.0),
+            nomad=NomadSettings(addr=nomad_url or "http://127.0.0.1:9"),
+        )
+        config = replace(config, **overrides)
+        app = RouterApp(config, activation=activation)
+        server = uvicorn.Server(
+            uvicorn.Config(
+                app,
+                host="127.0.0.1",
+                port=port,
+                lifespan="on",
+                log_level="warning",
+                access_log=False,
+                ssl_certfile=config.tls_cert or None,
+                ssl_keyfile=config.tls_key or None,
+            )
+        )
+        thread = threading.Thread(target=server.run, name=f"router-{port}", daemon=True)
+        thread.start()
+        scheme = "https" if config.tls_cert else "http"
+        running = RunningRouter(app=app, url=f"{scheme}://127.0.0.1:{port}", server=server, thread=thread)
+        started.append(running)
+        wait_until(lambda: server.started, 15, "the router to listen")
+        wait_until(lambda: app.discovery.has_snapshot, 15, "the router's first Consul snapshot")
+        return running
+
+    try:
+        yield start
+    finally:
+        for running in started:
+            running.stop()
+
+
+@dataclass
+class StubProcess:
+    proc: subprocess.Popen[bytes]
+    port: int
+    name: str
+    log: Path
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+StartStub = Callable[..., StubProcess]
+
+
+@pytest.fixture
+def stub_engine(tmp_path: Path) -> Iterator[StartStub]:
+    """`stub_engine(name, chunks=5, chunk_delay=0.0, delay=0.0) -> StubProcess` (a real process)."""
+    started: list[StubProcess] = []
+
+    def start(name: str, *, chunks: int = 5, chunk_delay: float = 0.0, delay: float = 0.0) -> StubProcess:
+        port = free_port()
+        log = tmp_path / f"stub-{name}.log"
+        with log.open("wb") as out:
+            proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "tests.router.stub_engine",
+                    "--port",
+                    str(port),
+                    "--name",
+                    name,
+                    "--chunks",
+                    str(chunks),
+                    "--chunk-delay",
+                    str(chunk_delay),
+                    "--delay",
+                    str(delay),
+                ],
+                cwd=ROOT,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=lifetime.die_with_parent,
+            )
+        stub = StubProcess(proc, port, name, log)
+        started.append(stub)
+
+        def answers() -> bool:
+            if proc.poll() is not None:
+                raise AssertionError(f"stub engine {name} exited: {log.read_text(errors='replace')}")
+            try:
+                return httpx.get(f"{stub.url}/v1/models", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_until(answers, 20, f"stub engine {name} to answer")
+        return stub
+
+    try:
+        yield start
+    finally:
+        for stub in started:
+            stub.stop()
+
+
+def register_replica(
+    consul_url: str,
+    model: str,
+    port: int,
+    service_id: str,
+    *,
+    ttl: bool = False,
+    def_hash: str = "h0",
+) -> str:
+    """Register an engine replica in Consul's agent as Nomad does; returns its check ID. With
+    `ttl=True` the check is a TTL check the test passes or fails itself."""
+    check: dict[str, Any]
+    if ttl:
+        check = {"Name": "engine ttl", "TTL": "600s", "Status": "passing"}
+    else:
+        check = {
+            "Name": "engine http",
+            "HTTP": f"http://127.0.0.1:{port}/v1/models",
+            "Interval": "1s",
+            "Timeout": "2s",
+        }
+    body = {
+        "Name": "llmgw-engine",
+        "ID": service_id,
+        "Address": "127.0.0.1",
+        "Port": port,
+        "Tags": [f"model={model}"],
+        "Meta": {"model": model, "def_hash": def_hash},
+        "Check": check,
+    }
+    resp = httpx.put(f"{consul_url}/v1/agent/service/register", json=body, timeout=5)
+    resp.raise_for_status()
+    return f"service:{service_id}"
+
+
+def fail_check(consul_url: str, check_id: str) -> None:
+    httpx.put(
+        f"{consul_url}/v1/agent/check/fail/{check_id}", params={"note": "test"}, timeout=5
+    ).raise_for_status()
+
+
+def put_kv(consul_url: str, key: str, value: str | bytes) -> None:
+    httpx.put(f"{consul_url}/v1/kv/{key}", content=value, timeout=5).raise_for_status()
+
+
+def get_kv(consul_url: str, key: str) -> str | None:
+    resp = httpx.get(f"{consul_url}/v1/kv/{key}", params={"raw": "true"}, timeout=5)
+    if resp.status_code == 404:
+        return None
+    resp.raise_for_status()
+    return resp.text

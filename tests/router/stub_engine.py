@@ -1,0 +1,132 @@
+"""A fixed-answer OpenAI-style engine for router tests that need control a real engine does not
+give: a stream slow enough to kill in the middle, or an answer that names which replica served.
+
+    python -m tests.router.stub_engine --port P --name NAME [--chunks N] [--chunk-delay S]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+
+
+class StubEngine:
+    def __init__(self, name: str, chunks: int, chunk_delay: float, delay: float = 0.0) -> None:
+        self.name = name
+        self.delay = delay
+        self.chunks = chunks
+        self.chunk_delay = chunk_delay
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        path = scope["path"]
+        if path == "/v1/models":
+            await self._json(send, {"object": "list", "data": [{"id": self.name, "object": "model"}]})
+            return
+        request = json.loads(body or b"{}")
+        if request.get("stream"):
+            await self._stream(send, request)
+            return
+        if path == "/v1/embeddings":
+            await self._json(
+                send,
+                {
+                    "object": "list",
+                    "data": [{"object": "embedding", "index": 0, "embedding": [0.1, 0.2]}],
+                    "model": self.name,
+                    "usage": {"prompt_tokens": 1, "total_tokens": 1},
+                },
+            )
+            return
+        if self.delay:
+            await asyncio.sleep(self.delay)
+        await self._json(send, self._completion(request))
+
+    def _completion(self, request: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "id": f"chatcmpl-{self.name}",
+            "object": "chat.completion",
+            "created": 0,
+            "model": request.get("model", ""),
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": f"served by {self.name}"},
+                    "finish_reason": "stop",
+                }
+            ],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 3, "total_tokens": 4},
+        }
+
+    async def _json(self, send: Send, payload: Any) -> None:
+        data = json.dumps(payload).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(data)).encode()),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": data})
+
+    async def _stream(self, send: Send, request: dict[str, Any]) -> None:
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"text/event-stream")],
+            }
+        )
+        for i in range(self.chunks):
+            chunk = {
+                "id": f"chatcmpl-{self.name}",
+                "object": "chat.completion.chunk",
+                "created": 0,
+                "model": request.get("model", ""),
+                "choices": [{"index": 0, "delta": {"content": f"{self.name}-{i} "}, "finish_reason": None}],
+            }
+            await send(
+                {
+                    "type": "http.response.body",
+                    "body": b"data: " + json.dumps(chunk).encode() + b"\r\n\r\n",
+                    "more_body": True,
+                }
+            )
+            if self.chunk_delay:
+                await asyncio.sleep(self.chunk_delay)
+        await send({"type": "http.response.body", "body": b"data: [DONE]\r\n\r\n", "more_body": False})
+
+
+def main() -> None:
+    import uvicorn
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--name", default="stub")
+    parser.add_argument("--chunks", type=int, default=5)
+    parser.add_argument("--chunk-delay", type=float, default=0.0)
+    parser.add_argument("--delay", type=float, default=0.0, help="seconds before a non-streamed answer")
+    args = parser.parse_args()
+    app = StubEngine(args.name, args.chunks, args.chunk_delay, args.delay)
+    uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning", access_log=False, lifespan="off")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,200 @@
+"""Limits and timeouts on every phase, TLS, and the `llmgw router` command's own checks."""
+
+from __future__ import annotations
+
+import datetime as dt
+import ipaddress
+import json
+import os
+import signal
+import ssl
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+from typer.testing import CliRunner
+
+from devstack import lifetime
+from devstack.ports import free_port
+from nomad_driver.cli import app as cli_app
+from router.config import ConfigError, Timeouts, load_api_keys, normalise_addr, parse_listen
+from tests.router.conftest import StartRouter, StartStub, register_replica, wait_until
+
+
+def chat(model: str = "alpha", **extra: object) -> dict[str, object]:
+    return {"model": model, "messages": [{"role": "user", "content": "hi"}], **extra}
+
+
+def test_a_replica_silent_past_the_first_byte_timeout_is_a_504(
+    consul_url: str, stub_engine: StartStub, start_router: StartRouter
+) -> None:
+    slow = stub_engine("slow", delay=5)
+    register_replica(consul_url, "alpha", slow.port, "alpha-slow")
+    router = start_router(consul_url, timeouts=Timeouts(first_byte_s=1.0))
+    router.wait_ready("alpha", 1)
+    started = time.monotonic()
+    resp = httpx.post(f"{router.url}/v1/chat/completions", json=chat(), timeout=20)
+    assert time.monotonic() - started < 4
+    assert resp.status_code == 504
+    assert resp.json()["error"]["code"] == "upstream_timeout"
+    assert "no answer within 1s" in resp.json()["error"]["message"]
+
+
+def test_a_stream_that_stalls_between_chunks_ends_with_an_error_event(
+    consul_url: str, stub_engine: StartStub, start_router: StartRouter
+) -> None:
+    stalling = stub_engine("stall", chunks=3, chunk_delay=3)
+    register_replica(consul_url, "alpha", stalling.port, "alpha-stall")
+    router = start_router(consul_url, timeouts=Timeouts(between_chunks_s=1.0))
+    router.wait_ready("alpha", 1)
+    started = time.monotonic()
+    resp = httpx.post(f"{router.url}/v1/chat/completions", json=chat(stream=True), timeout=20)
+    assert time.monotonic() - started < 2.9
+    events = [line[len("data: ") :] for line in resp.text.splitlines() if line.startswith("data: ")]
+    assert "choices" in json.loads(events[0])
+    assert json.loads(events[-1])["error"]["code"] == "upstream_failed"
+    assert "sent nothing for 1s" in json.loads(events[-1])["error"]["message"]
+
+
+def test_too_many_headers_is_431(consul_url: str, start_router: StartRouter) -> None:
+    router = start_router(consul_url)
+    headers = {f"x-filler-{i}": "v" for i in range(150)}
+    resp = httpx.post(f"{router.url}/v1/chat/completions", json=chat(), headers=headers, timeout=10)
+    assert resp.status_code == 431
+    assert resp.json()["error"]["code"] == "headers_too_large"
+
+
+def test_the_router_serves_https_when_given_a_certificate(
+    tmp_path: Path, consul_url: str, stub_engine: StartStub, start_router: StartRouter
+) -> None:
+    cert, key = self_signed(tmp_path)
+    stub = stub_engine("r1")
+    register_replica(consul_url, "alpha", stub.port, "alpha-1")
+    router = start_router(consul_url, tls_cert=str(cert), tls_key=str(key))
+    router.wait_ready("alpha", 1)
+    assert router.url.startswith("https://")
+    resp = httpx.post(
+        f"{router.url}/v1/chat/completions",
+        json=chat(),
+        verify=ssl.create_default_context(cafile=str(cert)),
+        timeout=10,
+    )
+    assert resp.status_code == 200, resp.text
+    with pytest.raises(httpx.HTTPError):
+        httpx.post(router.url.replace("https", "http") + "/v1/chat/completions", json=chat(), timeout=5)
+
+
+def self_signed(directory: Path) -> tuple[Path, Path]:
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = dt.datetime.now(dt.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=1))
+        .not_valid_after(now + dt.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False
+        )
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_path, key_path = directory / "router.crt", directory / "router.key"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    )
+    return cert_path, key_path
+
+
+def test_api_keys_come_from_a_file_and_the_environment(tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text("# team keys\nsk-a\n\n  sk-b  \nsk-a\n")
+    assert load_api_keys(str(keys), "sk-c, sk-b") == ("sk-a", "sk-b", "sk-c")
+    empty = tmp_path / "empty"
+    empty.write_text("# nothing\n")
+    with pytest.raises(ConfigError, match="no keys in it"):
+        load_api_keys(str(empty))
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_api_keys(str(tmp_path / "missing"))
+
+
+def test_addresses_are_read_the_way_hashicorp_tools_write_them() -> None:
+    assert parse_listen("0.0.0.0:8080") == ("0.0.0.0", 8080)
+    assert parse_listen("[::1]:9000") == ("::1", 9000)
+    for bad in ("8080", "host:port", "h:70000"):
+        with pytest.raises(ConfigError, match="listen address"):
+            parse_listen(bad)
+    assert normalise_addr("127.0.0.1:8500") == "http://127.0.0.1:8500"
+    assert normalise_addr("127.0.0.1:8501", "true") == "https://127.0.0.1:8501"
+    assert normalise_addr("https://consul.example:8501/") == "https://consul.example:8501"
+
+
+def test_the_router_command_refuses_bad_settings_with_one_clear_line(tmp_path: Path) -> None:
+    runner = CliRunner()
+    result = runner.invoke(cli_app, ["router", "--listen", "nonsense"])
+    assert result.exit_code == 2
+    assert "llmgw router: listen address 'nonsense'" in result.output
+    result = runner.invoke(cli_app, ["router", "--tls-cert", str(tmp_path / "c.pem")])
+    assert result.exit_code == 2
+    assert "--tls-cert and --tls-key go together" in result.output
+    result = runner.invoke(cli_app, ["router", "--help"])
+    assert result.exit_code == 0
+    assert "--api-keys-file" in result.output
+
+
+def test_llmgw_router_serves_until_sigterm(consul_url: str, tmp_path: Path) -> None:
+    port = free_port()
+    keys = tmp_path / "keys"
+    keys.write_text("sk-cli\n")
+    env = {
+        **os.environ,
+        "CONSUL_HTTP_ADDR": consul_url.removeprefix("http://"),
+        "LLMGW_ROUTER_LISTEN": f"127.0.0.1:{port}",
+    }
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "from nomad_driver.cli import main; main()",
+            "router",
+            "--api-keys-file",
+            str(keys),
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        preexec_fn=lifetime.die_with_parent,
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_until(lambda: _answers(f"{url}/healthz"), 30, "llmgw router to answer /healthz")
+        assert httpx.get(f"{url}/healthz", timeout=5).json()["consul"]["addr"] == consul_url
+        assert httpx.get(f"{url}/v1/models", timeout=5).status_code == 401
+        listing = httpx.get(f"{url}/v1/models", headers={"authorization": "Bearer sk-cli"}, timeout=5)
+        assert listing.status_code == 200 and listing.json()["object"] == "list"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        output = proc.communicate(timeout=15)[0].decode(errors="replace")
+    # Uvicorn shuts down cleanly, then re-raises the signal it caught, as a process should.
+    assert proc.returncode in (0, -signal.SIGTERM), output
+    assert "Application shutdown complete" in output
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
