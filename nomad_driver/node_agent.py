@@ -257,3 +257,23 @@ class NodeAgent:
         self._stop.set()
         if self._nvml is not None:
             self._nvml.close()
+
+
+def serve(config: NodeAgentConfig, listen: str) -> None:
+    """Run the agent until SIGTERM/SIGINT, with its metrics on `listen` (HOST:PORT)."""
+    import signal
+
+    from prometheus_client import start_http_server
+
+    host, _, port = listen.rpartition(":")
+    agent = NodeAgent(config)
+    start_http_server(int(port), addr=host or "127.0.0.1", registry=agent.registry)
+    log.info("node agent serving metrics on %s, publishing to %s", listen, config.nomad_addr)
+
+    def _stop(signum: int, _frame: object) -> None:
+        log.info("node agent stopping on signal %d", signum)
+        agent.stop()
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    agent.run_forever()

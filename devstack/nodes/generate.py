@@ -42,7 +42,9 @@ def fleet() -> list[dict[str, Any]]:
                 "cpu_cores": cpu_mhz // 2000,
                 "memory_mib": node_mem,
                 "disk_mb": 2_000_000,
-                "attributes": {"driver.raw_exec": "1", "driver.exec": "1"},
+                # mock_driver (a Nomad test-build driver) lets benchmarks run thousands of
+                # allocations without a process each.
+                "attributes": {"driver.raw_exec": "1", "driver.exec": "1", "driver.mock_driver": "1"},
                 "meta": {
                     "llmgw_engines_dir": "/opt/llmgw/engines",
                     "llmgw_engine_llama_cpp_python": "0.3.36",

@@ -360,6 +360,25 @@ async def devstack_node(request: web.Request) -> web.StreamResponse:
 # ----- the rest ------------------------------------------------------------------------------
 
 
+async def jobs_parse(request: web.Request) -> web.StreamResponse:
+    only(request, "PUT", "POST")
+    server = request.app[SERVER_KEY]
+    return json_response(server.parse_job(await read_body(request)), request)
+
+
+async def client_metadata(request: web.Request) -> web.StreamResponse:
+    """`/v1/client/metadata` (`command/agent/node_meta_endpoint.go`): GET reads, POST applies.
+    Nomad serves it from the client agent the request reaches; behind the stand-in's one address
+    sit many simulated nodes, so the node must be named."""
+    server = request.app[SERVER_KEY]
+    node_id = request.query.get("node_id")
+    if request.method == "GET":
+        return json_response(server.node_meta(node_id or ""), request)
+    if request.method == "POST":
+        return json_response(server.apply_node_meta(await read_body(request), node_id), request)
+    raise ApiError(405, "Invalid method")
+
+
 async def validate_job(request: web.Request) -> web.StreamResponse:
     only(request, "PUT", "POST")
     server = request.app[SERVER_KEY]
@@ -410,6 +429,8 @@ def make_app(
     app[HEARTBEAT_KEY] = event_heartbeat_s
     route = app.router.add_route
     route("*", "/v1/jobs", jobs)
+    route("*", "/v1/jobs/parse", jobs_parse)
+    route("*", "/v1/client/metadata", client_metadata)
     route("*", "/v1/job/{rest:.+}", job_specific)
     route("*", "/v1/evaluations", evaluations)
     route("*", "/v1/evaluation/{rest:.+}", evaluation)

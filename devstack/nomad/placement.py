@@ -132,6 +132,34 @@ def alloc_footprint(alloc: Json) -> tuple[int, int, int, list[str]]:
     return cpu, mem, disk, devices
 
 
+# A placed allocation's AllocatedResources never change, so what it holds is computed once per
+# allocation ID rather than on every placement (which made each placement cost a pass over every
+# allocation's task resources, and a burst of registers quadratic). The store drops an entry once
+# the allocation stops holding resources (`forget_footprint`). An entry also remembers the
+# AllocatedResources object it was computed from and is used only for that same object, so a
+# reused or hand-made ID can never return another allocation's footprint.
+_Footprint = tuple[int, int, int, tuple[str, ...], frozenset[int]]
+_FOOTPRINTS: dict[str, tuple[object, _Footprint]] = {}
+
+
+def cached_footprint(alloc: Json) -> _Footprint:
+    """(cpu, memory, disk, device IDs, ports) of a live allocation, cached by its ID."""
+    alloc_id = alloc.get("ID") or ""
+    resources = alloc.get("AllocatedResources")
+    hit = _FOOTPRINTS.get(alloc_id) if alloc_id else None
+    if hit is not None and hit[0] is resources:
+        return hit[1]
+    cpu, mem, disk, devices = alloc_footprint(alloc)
+    entry = (cpu, mem, disk, tuple(devices), frozenset(alloc_ports(alloc)))
+    if alloc_id and resources is not None:
+        _FOOTPRINTS[alloc_id] = (resources, entry)
+    return entry
+
+
+def forget_footprint(alloc_id: str) -> None:
+    _FOOTPRINTS.pop(alloc_id, None)
+
+
 def alloc_ports(alloc: Json) -> set[int]:
     """Every host port an allocation holds: group ports and (deprecated) task networks."""
     ar = alloc.get("AllocatedResources") or {}
@@ -355,15 +383,17 @@ class _GroupPlacer:
         live = [a for a in live_allocs if alloc_is_live(a)]
         for alloc in live:
             usage = self.usage.setdefault(alloc.get("NodeID", ""), _Usage())
-            cpu, mem, disk, devices = alloc_footprint(alloc)
+            cpu, mem, disk, devices, ports = cached_footprint(alloc)
             usage.cpu += cpu
             usage.memory += mem
             usage.disk += disk
-            usage.devices.update(devices)
+            if devices:
+                usage.devices.update(devices)
             ns, job_id = alloc.get("Namespace") or "default", alloc.get("JobID") or ""
             usage.jobs[(ns, job_id)] += 1
             usage.groups[(ns, job_id, alloc.get("TaskGroup") or "")] += 1
-            self.taken |= alloc_ports(alloc)
+            if ports:
+                self.taken |= ports
         self._init_properties(live)
         self.elig = Eligibility()
 
@@ -487,7 +517,9 @@ class _GroupPlacer:
     def _lifecycles(self) -> Json:
         return {t.name: t.lifecycle for t in self.tasks}
 
-    def select(self) -> tuple[Placement | None, AllocMetric]:
+    def select(self, only: NodeView | None = None) -> tuple[Placement | None, AllocMetric]:
+        """The best node for one allocation; with `only`, that node or none (the system
+        scheduler's one-node stack), still reporting the whole pool in the metric."""
         start = time.perf_counter_ns()
         metric = AllocMetric(
             nodes_in_pool=len(self.candidates), node_pool=self.pool, nodes_available=dict(self.by_dc)
@@ -499,7 +531,7 @@ class _GroupPlacer:
         best: _Candidate | None = None
         ranked: list[_Candidate] = []
         ask = self.ask
-        for view in self.candidates:
+        for view in self.candidates if only is None else (only,):
             metric.nodes_evaluated += 1
             if not feasible(view, ask, self.elig, metric):
                 continue
@@ -583,12 +615,82 @@ def place_group(
     return GroupPlacement(placed, 0, {})
 
 
+@dataclass
+class SystemPlacement:
+    placed: list[tuple[str, Placement]]  # (node ID, placement)
+    exhausted_nodes: list[str]  # feasible but without room, in the order tried
+    failed_metrics: Json  # FailedTGAllocs entry for the exhausted nodes; {} if none
+    filtered_metrics: Json  # filter counts merged over the filtered nodes; {} if none
+    filtered: int  # nodes the feasibility chain rejected
+
+
+def place_system(
+    job: Json,
+    group: Json,
+    nodes: Iterable[Json],
+    live_allocs: Iterable[Json],
+    targets: Iterable[str],
+    used_ports: set[int] | None = None,
+) -> SystemPlacement:
+    """The system scheduler's placements: one allocation of `group` on each target node
+    (`scheduler_system.go` `computePlacements`). A node the feasibility chain rejects is only
+    counted (Nomad does not report filtered nodes to users); the first node that is feasible
+    but full gives the failure metric, and later ones are coalesced into it."""
+    placer = _GroupPlacer(job, group, nodes, live_allocs, 1, used_ports)
+    task_asks = [(t.name, t.cpu, t.memory) for t in placer.tasks]
+    result = SystemPlacement([], [], {}, {}, 0)
+    failed: AllocMetric | None = None
+    merged: Json = {}
+    candidates = {v.id for v in placer.candidates}
+    for node_id in targets:
+        view = placer.by_id.get(node_id)
+        if view is None or node_id not in candidates:
+            continue
+        placement, metric = placer.select(only=view)
+        if placement is not None:
+            result.placed.append((node_id, placement))
+            continue
+        if metric.nodes_filtered > 0:
+            result.filtered += 1
+            merged = _merge_filtered(merged, metric.to_json())
+            continue
+        result.exhausted_nodes.append(node_id)
+        if failed is None:
+            failed = metric
+        else:
+            failed.coalesced_failures += 1
+        failed.exhaust_resources(task_asks)
+    if failed is not None:
+        result.failed_metrics = failed.to_json()
+    result.filtered_metrics = merged
+    return result
+
+
+def _merge_filtered(into: Json, metric: Json) -> Json:
+    """`mergeNodeFiltered`: the filter counts of several one-node attempts, summed."""
+    if not into:
+        return dict(metric)
+    out = dict(into)
+    for key in ("NodesEvaluated", "NodesFiltered"):
+        out[key] = int(out.get(key) or 0) + int(metric.get(key) or 0)
+    for key in ("ClassFiltered", "ConstraintFiltered"):
+        merged = dict(out.get(key) or {})
+        for k, v in (metric.get(key) or {}).items():
+            merged[k] = merged.get(k, 0) + v
+        out[key] = merged or None
+    return out
+
+
 __all__ = [
     "GroupPlacement",
     "Placement",
+    "SystemPlacement",
     "alloc_footprint",
     "alloc_is_live",
     "alloc_ports",
+    "cached_footprint",
+    "forget_footprint",
     "place_group",
+    "place_system",
     "port_is_bindable",
 ]

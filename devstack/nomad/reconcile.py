@@ -14,7 +14,8 @@ from typing import Any
 
 from devstack.nomad.canonical import group_spec
 from devstack.nomad.encode import ZERO_TIME, parse_rfc3339_ns, rfc3339
-from devstack.nomad.placement import place_group
+from devstack.nomad.feasible import glob_match, view_of
+from devstack.nomad.placement import place_group, place_system
 from devstack.nomad.state import StateStore
 
 Json = dict[str, Any]
@@ -34,6 +35,7 @@ DESC_RESCHEDULED = "alloc was rescheduled because it failed"
 DESC_MIGRATING = "alloc is being migrated"
 DESC_UPDATING = "alloc is being updated due to job update"
 DESC_LOST = "alloc is lost since its node is down"
+DESC_NODE_TAINTED = "alloc not needed as node is tainted"
 DESC_BLOCKED = "created to place remaining allocations"
 DESC_FOLLOWUP = "created for delayed rescheduling"
 
@@ -172,6 +174,11 @@ class Plan:
     new_evals: list[Json] = field(default_factory=list)
     blocked: Json | None = None
     failed_tg: dict[str, Json] = field(default_factory=dict)
+    # Whether the failures ask for a blocked evaluation: a system job's nodes that were all
+    # filtered out are reported but wait for nothing. `blocked_node`: the system scheduler's
+    # blocked evaluation names the full node it failed on.
+    block: bool = True
+    blocked_node: str = ""
     queued: dict[str, int] = field(default_factory=dict)
 
 
@@ -237,6 +244,11 @@ def compute_plan(
         plan.evaluation["Status"] = "complete"
         return plan
 
+    if job["Type"] == "system":
+        _system_plan(plan, store, job, groups, allocs, live, now_ns)
+        plan.evaluation["Status"] = "complete"
+        return plan
+
     # Placement itself keeps only ready, eligible, not draining nodes (`readyNodesInDCsAndPool`).
     nodes = list(store.nodes.values())
     placed_so_far: list[Json] = []
@@ -255,6 +267,132 @@ def compute_plan(
     plan.evaluation["QueuedAllocations"] = {g: plan.queued.get(g, 0) for g in groups}
     plan.evaluation["Status"] = "complete"
     return plan
+
+
+# ----- system jobs (scheduler/scheduler_system.go, reconciler/reconcile_node.go) ------------
+
+
+def _system_plan(
+    plan: Plan,
+    store: StateStore,
+    job: Json,
+    groups: dict[str, Json],
+    allocs: list[Json],
+    live: list[Json],
+    now_ns: int,
+) -> None:
+    """One allocation of each group on every ready node of the job's datacenters and pool.
+
+    As Nomad's node reconciler: allocations on nodes that are gone or down are lost; on a
+    draining node they stay until the drain marks them to migrate; on an ineligible node they
+    stay unless the job changed; on a node the job no longer targets they stop. A failed
+    allocation is not rescheduled elsewhere: the next evaluation places a new one on the same
+    node, chained to it through PreviousAllocation."""
+    pool = str(job.get("NodePool") or "default")
+    datacenters = list(job.get("Datacenters") or []) or ["*"]
+    ready: dict[str, Json] = {}
+    not_ready: set[str] = set()
+    for node in store.nodes.values():
+        if pool != "all" and (node.get("NodePool") or "default") != pool:
+            continue
+        if not view_of(node).ready:
+            not_ready.add(node["ID"])
+        elif any(glob_match(dc, node.get("Datacenter") or "") for dc in datacenters):
+            ready[node["ID"]] = node
+    # Count 0 (scaled to zero) asks for no allocation; count is otherwise at most 1.
+    required = {
+        f"{job['ID']}.{name}[{i}]": group
+        for name, group in groups.items()
+        for i in range(max(int(group.get("Count") or 0), 0))
+    }
+
+    existing: set[tuple[str, str]] = set()  # (node, name) that keep or get an allocation
+    replace: dict[tuple[str, str], Json] = {}  # destructive updates, placed on the same node
+    terminal: dict[tuple[str, str], Json] = {}  # newest finished allocation per (node, name)
+    for alloc in allocs:
+        key = (alloc["NodeID"], alloc["Name"])
+        if alloc["DesiredStatus"] != "run" or alloc["ClientStatus"] in TERMINAL_CLIENT:
+            if key not in terminal or terminal[key]["CreateIndex"] < alloc.get("CreateIndex", 0):
+                terminal[key] = alloc
+            continue
+        group = required.get(alloc["Name"])
+        if group is None:
+            plan.stopped.append(_stop(alloc, DESC_NOT_NEEDED, now_ns))
+            continue
+        if (alloc.get("DesiredTransition") or {}).get("Migrate"):
+            plan.stopped.append(_stop(alloc, DESC_NODE_TAINTED, now_ns))
+            existing.add(key)
+            continue
+        found = store.nodes.get(alloc["NodeID"])
+        if found is None or found.get("Status") == "down":
+            plan.stopped.append(_stop(alloc, DESC_LOST, now_ns, "lost"))
+            continue
+        node_id = found["ID"]
+        changed = (alloc.get("Job") or {}).get("JobModifyIndex") != job.get("JobModifyIndex")
+        if found.get("DrainStrategy") or found.get("Status") == "disconnected":
+            existing.add(key)  # tainted: the drain decides when it goes
+            continue
+        if node_id in not_ready:
+            if changed:
+                plan.stopped.append(_stop(alloc, DESC_NOT_NEEDED, now_ns))
+            existing.add(key)
+            continue
+        if node_id not in ready:
+            plan.stopped.append(_stop(alloc, DESC_NOT_NEEDED, now_ns))
+            continue
+        existing.add(key)
+        if changed:
+            if _needs_replacement(alloc, job, group):
+                plan.stopped.append(_stop(alloc, DESC_UPDATING, now_ns))
+                replace[key] = alloc
+            else:
+                plan.updated.append({**alloc, "Job": job, "ModifyTime": now_ns})
+
+    stopping = {a["ID"] for a in plan.stopped}
+    packed = [a for a in live if a["ID"] not in stopping]
+    node_order = sorted(ready.values(), key=lambda n: n.get("Name") or "")
+    for name, group in groups.items():
+        names = [n for n, g in required.items() if g is group]
+        for alloc_name in names:
+            targets: list[str] = []
+            previous: dict[str, Json | None] = {}
+            for node in node_order:
+                key = (node["ID"], alloc_name)
+                if key in replace:
+                    targets.append(node["ID"])
+                    previous[node["ID"]] = replace[key]
+                elif key not in existing:
+                    targets.append(node["ID"])
+                    previous[node["ID"]] = terminal.get(key)
+            if not targets:
+                plan.queued[name] = plan.queued.get(name, 0)
+                continue
+            result = place_system(job, group, list(ready.values()), packed, targets)
+            for node_id, placement in result.placed:
+                prev = previous[node_id]
+                slot = _Slot(alloc_name, _name_index(alloc_name), previous=prev)
+                alloc = _new_alloc(plan.evaluation, job, group, slot, placement, now_ns)
+                plan.placed.append(alloc)
+                packed.append(alloc)
+                if prev is not None and prev["ID"] in stopping:
+                    for stopped in plan.stopped:
+                        if stopped["ID"] == prev["ID"]:
+                            stopped["NextAllocation"] = alloc["ID"]
+            plan.queued[name] = plan.queued.get(name, 0) + len(result.exhausted_nodes)
+            if result.failed_metrics:
+                plan.failed_tg[name] = result.failed_metrics
+                if not plan.blocked_node:
+                    plan.blocked_node = result.exhausted_nodes[0]
+            elif (
+                result.filtered
+                and not result.placed
+                and not any(a["TaskGroup"] == name for a in allocs if (a["NodeID"], a["Name"]) in existing)
+            ):
+                # Every node was filtered out and none runs the group: Nomad reports the
+                # filter counts, but there is no room to wait for, so nothing blocks.
+                plan.failed_tg[name] = result.filtered_metrics
+    plan.block = bool(plan.blocked_node)
+    plan.evaluation["QueuedAllocations"] = {g: plan.queued.get(g, 0) for g in groups}
 
 
 def _node_down(store: StateStore, alloc: Json) -> bool:

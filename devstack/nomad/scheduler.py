@@ -224,7 +224,7 @@ class Scheduler:
                 store.upsert_alloc(alloc, "PlanResult")
             for followup in plan.new_evals:
                 store.upsert_eval(followup)
-            if plan.failed_tg:
+            if plan.failed_tg and plan.block:
                 result["FailedTGAllocs"] = plan.failed_tg
                 if was_blocked:
                     # Re-blocked: the same evaluation waits again (`ReblockEval`).
@@ -237,6 +237,7 @@ class Scheduler:
                         Status="blocked",
                         StatusDescription=DESC_BLOCKED,
                         PreviousEval=eval_id,
+                        NodeID=plan.blocked_node,
                         FailedTGAllocs=plan.failed_tg,
                         QueuedAllocations=dict(result.get("QueuedAllocations") or {}),
                     )
@@ -247,9 +248,10 @@ class Scheduler:
                     store.upsert_eval(blocked)
                     self._blocked[key] = blocked["ID"]
             else:
+                # A system job's filtered-out nodes are reported but wait for nothing.
+                result["FailedTGAllocs"] = plan.failed_tg or None
                 if was_blocked:
                     self._blocked.pop(key, None)
-                    result["FailedTGAllocs"] = None
                 # Everything fits now; an older blocked evaluation has nothing left to place.
                 elif key in self._blocked:
                     self._cancel_blocked(key, "placed by a later evaluation")
@@ -284,7 +286,13 @@ class Scheduler:
         node = self.store.nodes.get(node_id)
         if node is None or not node.get("DrainStrategy"):
             return
-        if any(a["DesiredStatus"] == "run" for a in self.store.allocs_for_node(node_id)):
+        ignore_system = bool(node["DrainStrategy"].get("IgnoreSystemJobs"))
+        if any(
+            a["DesiredStatus"] == "run"
+            and a["ClientStatus"] not in TERMINAL_CLIENT
+            and not (ignore_system and (a.get("Job") or {}).get("Type") == "system")
+            for a in self.store.allocs_for_node(node_id)
+        ):
             return
         now = self.clock.now_ns()
         last = dict(node.get("LastDrain") or {})

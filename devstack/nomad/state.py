@@ -18,6 +18,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from devstack.nomad.placement import forget_footprint
+
 Json = dict[str, Any]
 
 TABLES = ("jobs", "job_versions", "job_summary", "evals", "allocs", "nodes", "scaling_event")
@@ -231,8 +233,8 @@ class StateStore:
         self._allocs_by_node.setdefault(alloc["NodeID"], {})[alloc["ID"]] = alloc
         if alloc["DesiredStatus"] == "run" and alloc["ClientStatus"] in ("pending", "running"):
             self.live_allocs[alloc["ID"]] = alloc
-        else:
-            self.live_allocs.pop(alloc["ID"], None)
+        elif self.live_allocs.pop(alloc["ID"], None) is not None:
+            forget_footprint(alloc["ID"])
         # Nomad strips the embedded job from allocation events (state/events.go); it would make
         # every event as large as the job and repeat it once per allocation.
         payload = {"Allocation": {k: v for k, v in alloc.items() if k != "Job"}}

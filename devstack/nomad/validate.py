@@ -180,6 +180,11 @@ def validate_job(job: Json) -> list[str]:
             errors.append(f"Job task group {i} redefines '{name}' from group {seen[name]}")
         else:
             seen[name] = i
+        count = group.get("Count")
+        if job_type == "system" and isinstance(count, int) and count > 1:
+            errors.append(
+                f"Job task group {name} has count {count}. Count cannot exceed 1 with system scheduler"
+            )
         for err in _validate_group(job, group):
             errors.append(f"Task group {name} validation failed: {err}")
     return errors

@@ -1,5 +1,6 @@
-"""Shared pieces of the stand-in API tests: fleets that offer the mock driver, mock jobs, and
-waiting for the scheduler (which answers a register at once and places a moment later)."""
+"""Shared pieces of the stand-in API tests: small fleets, mock jobs, and waiting for the
+scheduler (which answers a register at once and places a moment later). The committed fleets
+(`devstack/nodes/*.yaml`) offer `mock_driver` on every node, so tests use them as they are."""
 
 from __future__ import annotations
 
@@ -11,22 +12,8 @@ from typing import Any, TypeVar
 import nomad
 import yaml
 
-from tests.fixtures.nomad import SMALL_FLEET
-
 T = TypeVar("T")
 SECOND = 1_000_000_000
-
-
-def mock_fleet(tmp_path: Path, base: Path = SMALL_FLEET) -> Path:
-    """`base` with `driver.mock_driver` detected on every node (Nomad offers that driver only in
-    test builds, so the fleet files do not list it)."""
-    data = yaml.safe_load(base.read_text())
-    entries = data["nodes"] if isinstance(data, dict) else data
-    for entry in entries:
-        entry.setdefault("attributes", {})["driver.mock_driver"] = "1"
-    path = tmp_path / f"mock-{base.name}"
-    path.write_text(yaml.safe_dump({"nodes": entries}))
-    return path
 
 
 def tiny_fleet(tmp_path: Path, count: int = 2, cpu_mhz: int = 4000, memory_mib: int = 4096) -> Path:

@@ -16,7 +16,7 @@ import requests
 from nomad.api import exceptions
 
 from tests.fixtures.nomad import StandIn
-from tests.standin.api_helpers import SECOND, eval_done, live_allocs, mock_fleet, mock_job, scale, wait_for
+from tests.standin.api_helpers import SECOND, eval_done, live_allocs, mock_job, scale, wait_for
 
 
 def n_live(client: nomad.Nomad, job_id: str, n: int) -> list[dict[str, Any]] | None:
@@ -25,8 +25,8 @@ def n_live(client: nomad.Nomad, job_id: str, n: int) -> list[dict[str, Any]] | N
 
 
 @pytest.fixture
-def standin(start_standin: Callable[..., StandIn], tmp_path: Path) -> StandIn:
-    return start_standin(nodes=mock_fleet(tmp_path), consul=False)
+def standin(start_standin: Callable[..., StandIn]) -> StandIn:
+    return start_standin(consul=False)
 
 
 @pytest.fixture
@@ -367,7 +367,7 @@ def test_default_standin_serves_the_small_fleet_with_consul(nomad_standin: Stand
 def test_sigterm_stops_the_allocations_processes(
     start_standin: Callable[..., StandIn], tmp_path: Path
 ) -> None:
-    standin = start_standin(nodes=mock_fleet(tmp_path), consul=False)
+    standin = start_standin(consul=False)
     client = standin.client()
     pid_file = tmp_path / "task.pid"
     job = mock_job("proc")

@@ -7,18 +7,17 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 import requests
 
 from tests.fixtures.nomad import StandIn
-from tests.standin.api_helpers import eval_done, mock_fleet, mock_job, scale, wait_for
+from tests.standin.api_helpers import eval_done, mock_job, scale, wait_for
 
 
 @pytest.fixture
-def standin(start_standin: Callable[..., StandIn], tmp_path: Path) -> StandIn:
-    return start_standin(nodes=mock_fleet(tmp_path), consul=False)
+def standin(start_standin: Callable[..., StandIn]) -> StandIn:
+    return start_standin(consul=False)
 
 
 def _later(delay: float, action: Callable[[], object]) -> threading.Thread:

@@ -7,21 +7,20 @@ import json
 import queue
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 import requests
 
 from tests.fixtures.nomad import StandIn
-from tests.standin.api_helpers import eval_done, mock_fleet, mock_job
+from tests.standin.api_helpers import eval_done, mock_job
 
 Json = dict[str, Any]
 
 
 @pytest.fixture
-def standin(start_standin: Callable[..., StandIn], tmp_path: Path) -> StandIn:
-    return start_standin(nodes=mock_fleet(tmp_path), consul=False, extra_args=["--event-heartbeat", "0.3"])
+def standin(start_standin: Callable[..., StandIn]) -> StandIn:
+    return start_standin(consul=False, extra_args=["--event-heartbeat", "0.3"])
 
 
 def frames(standin: StandIn, params: list[tuple[str, str]], seconds: float) -> Iterator[Json]:

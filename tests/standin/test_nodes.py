@@ -70,7 +70,7 @@ def test_node_reports_the_attributes_every_nomad_client_does() -> None:
     assert node["NodeResources"]["Memory"]["MemoryMB"] == 131072
     assert node["NodeResources"]["MinDynamicPort"] == 20000
     assert node["NodeResources"]["MaxDynamicPort"] == 32000
-    assert set(node["Drivers"]) == {"raw_exec", "exec"}
+    assert set(node["Drivers"]) == {"raw_exec", "exec", "mock_driver"}
     assert node["Drivers"]["raw_exec"]["Detected"] is True
     assert node["Drivers"]["raw_exec"]["Healthy"] is True
 
