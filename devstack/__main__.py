@@ -1,0 +1,86 @@
+"""`python -m devstack up|down`: the single-machine llmgw stack for demos, development and tests.
+
+    python -m devstack up [--tiny] [--state-dir DIR] [--services nomad|process] [--no-tour]
+    python -m devstack down [--state-dir DIR]
+
+`up` stays in the foreground until Ctrl-C (or `down` from another shell) and then stops every
+process it started. `--tiny` (or LLMGW_DEVSTACK_TINY=1) serves a tiny generated GGUF instead of
+downloading Gemma, which is what the tests use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from devstack import stack
+
+
+def _args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m devstack", description=__doc__.split("\n\n")[0])
+    verbs = parser.add_subparsers(dest="verb", required=True)
+    state_help = "where state, logs and generated files live (env LLMGW_DEVSTACK_DIR; default .devstack)"
+    default_dir = Path(os.environ.get("LLMGW_DEVSTACK_DIR") or stack.DEFAULT_STATE_DIR)
+
+    up = verbs.add_parser("up", help="start Consul, Nomad, two watchers, a router and the demo models")
+    up.add_argument("--state-dir", type=Path, default=default_dir, help=state_help)
+    up.add_argument(
+        "--tiny",
+        action="store_true",
+        default=os.environ.get("LLMGW_DEVSTACK_TINY", "") not in ("", "0", "false"),
+        help="serve a tiny generated GGUF instead of Gemma 3 270M (nothing is downloaded)",
+    )
+    up.add_argument("--nodes", type=Path, default=stack.fleet.SMALL_FLEET, help="the simulated fleet (YAML)")
+    up.add_argument(
+        "--models", type=Path, default=stack.demo_models.TEMPLATE, help="models template (demo-models.yaml)"
+    )
+    up.add_argument(
+        "--services",
+        choices=["nomad", "process"],
+        default="nomad",
+        help="run the watchers and the router as Nomad jobs (jobs/local) or as child processes",
+    )
+    up.add_argument(
+        "--nomad",
+        choices=["auto", "standin", "real"],
+        default="auto",
+        help="a real 'nomad agent -dev' when on PATH (auto), or always the stand-in",
+    )
+    up.add_argument(
+        "--clock-speed",
+        type=float,
+        default=4.0,
+        help="the stand-in runs Nomad's restart and reschedule delays this many times faster",
+    )
+    up.add_argument("--watchers", type=int, default=2)
+    up.add_argument("--wait", type=float, default=600.0, help="seconds to wait for the demo models")
+    up.add_argument("--no-tour", action="store_true", help="skip the tour (the tests do)")
+
+    down = verbs.add_parser("down", help="stop everything a running 'devstack up' started")
+    down.add_argument("--state-dir", type=Path, default=default_dir, help=state_help)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _args(argv)
+    if args.verb == "down":
+        return stack.run_down(args.state_dir)
+    options = stack.UpOptions(
+        state_dir=args.state_dir,
+        tiny=args.tiny,
+        nodes=args.nodes,
+        template=args.models,
+        services=args.services,
+        nomad=args.nomad,
+        clock_speed=args.clock_speed,
+        watchers=args.watchers,
+        wait_timeout=args.wait,
+        tour=not args.no_tour,
+    )
+    return stack.run_up(options)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""The simulated fleet as the dev stack runs it: engines installed where the nodes say.
+
+A job for engine `llama-cpp-python` 0.3.36 runs `<llmgw_engines_dir>/llama-cpp-python/0.3.36/
+bin/python -m llama_cpp.server`. Here that version is a link to the virtualenv this process
+runs in: a link to the venv's root, not to `bin/python`, because a python reached through a
+link to itself alone does not find the venv's site-packages (no pyvenv.cfg beside it) and
+fails to import llama_cpp.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ENGINE = "llama-cpp-python"
+ENGINE_VERSION = "0.3.36"
+SMALL_FLEET = Path(__file__).resolve().parent / "nodes" / "small.yaml"
+
+
+def install_engines(engines_dir: Path, venv: Path | None = None) -> Path:
+    """`engines_dir/llama-cpp-python/0.3.36` -> the virtualenv; returns the link."""
+    link = engines_dir / ENGINE / ENGINE_VERSION
+    link.parent.mkdir(parents=True, exist_ok=True)
+    if link.is_symlink() or link.exists():
+        link.unlink()
+    link.symlink_to(Path(venv or sys.prefix).resolve(), target_is_directory=True)
+    return link
+
+
+def effective_nodes(fleet: Path, engines_dir: Path, out: Path) -> Path:
+    """The fleet file with every node's `llmgw_engines_dir` pointing at `engines_dir`."""
+    data: Any = yaml.safe_load(fleet.read_text())
+    nodes = data.get("nodes") if isinstance(data, dict) else data
+    if not isinstance(nodes, list):
+        raise ValueError(f"{fleet}: expected a list of nodes under 'nodes'")
+    for node in nodes:
+        if isinstance(node, dict):
+            node.setdefault("meta", {})["llmgw_engines_dir"] = str(engines_dir.resolve())
+    header = f"# Written by 'python -m devstack up' from {fleet}, with the engines dir of this stack.\n"
+    out.write_text(header + yaml.safe_dump({"nodes": nodes}, sort_keys=False))
+    return out
+
+
+def big_gpu_node(engines_dir: Path, name: str = "gpu-h200-0") -> dict[str, Any]:
+    """A node whose GPU fits `phi-4` (one card with 143,771 MiB), for `PUT /v1/devstack/node`."""
+    return {
+        "name": name,
+        "datacenter": "dc1",
+        "node_class": "h200",
+        "cpu_mhz": 64000,
+        "cpu_cores": 32,
+        "memory_mib": 524288,
+        "disk_mb": 2000000,
+        "attributes": {"driver.raw_exec": "1", "driver.exec": "1"},
+        "meta": {
+            "llmgw_engines_dir": str(engines_dir.resolve()),
+            "llmgw_engine_llama_cpp_python": ENGINE_VERSION,
+            "llmgw_gpu_class": "h200",
+            "llmgw_fabric": "ethernet",
+        },
+        "gpus": [{"model": "NVIDIA H200", "memory_mib": 143771, "count": 1}],
+    }

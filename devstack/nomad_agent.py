@@ -1,0 +1,130 @@
+"""Nomad for the dev stack: a real `nomad agent -dev` when one is on PATH, else the stand-in.
+
+Either way it listens on a free loopback port, registers services in the stack's Consul, runs
+raw_exec tasks as local processes and offers the engines dir through client meta. The
+stand-in also simulates the GPU fleet; a real dev agent has only the GPUs of this machine, so
+with it the demo's GPU models are placed only where Nomad's nvidia plugin finds cards.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+
+from devstack.fleet import ENGINE_VERSION
+from devstack.ports import free_port, free_ports
+from devstack.processes import spawn as _spawn_child
+
+REPO = Path(__file__).resolve().parents[1]
+Say = Callable[[str], None]
+
+
+class NomadStartError(RuntimeError):
+    """Nomad (real or the stand-in) did not start; the message names its log."""
+
+
+def _wait_leader(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return False
+        try:
+            resp = httpx.get(f"{url}/v1/status/leader", timeout=2)
+            if resp.status_code == 200 and resp.json():
+                return True
+        except (httpx.HTTPError, ValueError):
+            pass
+        time.sleep(0.1)
+    raise NomadStartError(f"Nomad at {url} named no leader within {timeout:.0f}s; see {log}")
+
+
+def _tail(log: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def start_standin(
+    *, nodes: Path, consul_url: str, data_dir: Path, log: Path, clock_speed: float, timeout: float = 30.0
+) -> tuple[subprocess.Popen[bytes], str]:
+    for _ in range(3):  # a free port may be taken before the stand-in binds it
+        port = free_port()
+        argv = [
+            sys.executable,
+            "-m",
+            "devstack.nomad",
+            "--listen",
+            f"127.0.0.1:{port}",
+            "--nodes",
+            str(nodes),
+            "--consul",
+            consul_url,
+            "--data-dir",
+            str(data_dir),
+            "--clock-speed",
+            str(clock_speed),
+        ]
+        proc = _spawn_child("nomad stand-in", argv, log, cwd=REPO)
+        url = f"http://127.0.0.1:{port}"
+        if _wait_leader(url, proc, log, timeout):
+            return proc, url
+        proc.wait()
+        if "cannot listen" not in _tail(log):
+            break
+    raise NomadStartError(f"the Nomad stand-in exited during start-up; its log {log}:\n{_tail(log)}")
+
+
+def real_nomad_config(*, data_dir: Path, consul_url: str, engines_dir: Path, ports: list[int]) -> str:
+    http, rpc, serf = ports
+    consul = consul_url.removeprefix("http://")
+    return f"""# Written by 'python -m devstack up' for a real 'nomad agent -dev'.
+data_dir  = "{data_dir}"
+bind_addr = "127.0.0.1"
+ports {{
+  http = {http}
+  rpc  = {rpc}
+  serf = {serf}
+}}
+consul {{
+  address = "{consul}"
+}}
+client {{
+  meta {{
+    llmgw_engines_dir             = "{engines_dir.resolve()}"
+    llmgw_engine_llama_cpp_python = "{ENGINE_VERSION}"
+  }}
+}}
+plugin "raw_exec" {{
+  config {{
+    enabled = true
+  }}
+}}
+"""
+
+
+def start_real(
+    *, binary: str, consul_url: str, engines_dir: Path, state_dir: Path, log: Path, timeout: float = 60.0
+) -> tuple[subprocess.Popen[bytes], str]:
+    ports = free_ports(3)
+    config = state_dir / "nomad-dev.hcl"
+    data_dir = state_dir / "nomad-data"
+    data_dir.mkdir(parents=True, exist_ok=True)
+    config.write_text(
+        real_nomad_config(data_dir=data_dir, consul_url=consul_url, engines_dir=engines_dir, ports=ports)
+    )
+    proc = _spawn_child("nomad agent -dev", [binary, "agent", "-dev", "-config", str(config)], log)
+    url = f"http://127.0.0.1:{ports[0]}"
+    if not _wait_leader(url, proc, log, timeout):
+        raise NomadStartError(f"nomad agent -dev exited during start-up; its log {log}:\n{_tail(log)}")
+    return proc, url
+
+
+def find_nomad() -> str | None:
+    return shutil.which("nomad")

@@ -1,0 +1,232 @@
+"""llmgw's own services in the dev stack: two watchers and a router.
+
+By default they run as Nomad jobs from `jobs/local/*.nomad.hcl`, the way an operator runs
+them: the HCL goes through Nomad's `/v1/jobs/parse` (the stand-in's parser for llmgw's own
+jobspecs, Nomad's own with a real agent) and is registered with `PUT /v1/jobs`. The watchers'
+admin ports are Nomad's dynamic ports, so they are found where everything else is found: in
+Consul, as the passing instances of `llmgw-watcher`. `--services process` runs the same three
+commands as plain child processes instead, for when the Nomad in use cannot run raw_exec.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from devstack import processes
+from devstack.ports import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+LOCAL_JOBS = REPO / "jobs" / "local"
+WATCHER_JOB = "llmgw-watcher"
+ROUTER_JOB = "llmgw-router"
+
+Say = Callable[[str], None]
+
+
+class ServiceError(RuntimeError):
+    """A service of the dev stack could not be registered or did not become healthy."""
+
+
+@dataclass
+class Services:
+    """Where the router and the watchers answer, once they are up."""
+
+    router_url: str = ""
+    watcher_urls: list[str] = field(default_factory=list)
+    children: list[processes.Child] = field(default_factory=list)
+
+
+def hcl_variables(values: Mapping[str, object]) -> str:
+    """An HCL variables file (`name = value` lines), the `Variables` of `/v1/jobs/parse`."""
+    return "".join(f"{name} = {json.dumps(value)}\n" for name, value in values.items())
+
+
+def parse_job(nomad_url: str, hcl_path: Path, variables: Mapping[str, object]) -> tuple[dict[str, Any], str]:
+    """The job's API JSON, and who parsed the HCL."""
+    body = {"JobHCL": hcl_path.read_text(), "Variables": hcl_variables(variables), "Canonicalize": True}
+    resp = httpx.post(f"{nomad_url}/v1/jobs/parse", json=body, timeout=30)
+    if resp.status_code == 404:
+        # A stand-in from before /v1/jobs/parse existed: the same parser, in this process.
+        from devstack.nomad.jobspec import JobspecError, parse_jobspec
+
+        try:
+            return parse_jobspec(hcl_path.read_text(), dict(variables)), "devstack.nomad.jobspec"
+        except JobspecError as exc:
+            raise ServiceError(f"{hcl_path}: {exc}") from exc
+    if resp.status_code != 200:
+        raise ServiceError(f"{hcl_path}: Nomad refused to parse it: {resp.status_code} {resp.text.strip()}")
+    job: dict[str, Any] = resp.json()
+    return job, "Nomad's /v1/jobs/parse"
+
+
+def register_job(nomad_url: str, job: Mapping[str, Any]) -> None:
+    resp = httpx.put(f"{nomad_url}/v1/jobs", json={"Job": job}, timeout=30)
+    if resp.status_code != 200:
+        raise ServiceError(f"registering job {job.get('ID')!r}: {resp.status_code} {resp.text.strip()}")
+
+
+def stop_job(nomad_url: str, job_id: str) -> None:
+    with contextlib.suppress(httpx.HTTPError):
+        httpx.delete(f"{nomad_url}/v1/job/{job_id}", params={"purge": "true"}, timeout=10)
+
+
+def job_ids(nomad_url: str) -> list[str]:
+    try:
+        resp = httpx.get(f"{nomad_url}/v1/jobs", timeout=10)
+        return [str(j["ID"]) for j in resp.json()] if resp.status_code == 200 else []
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return []
+
+
+def running_allocs(nomad_url: str, job_id: str | None = None) -> int:
+    """Allocations of the job (or of every job) that still have processes."""
+    path = f"/v1/job/{job_id}/allocations" if job_id else "/v1/allocations"
+    try:
+        resp = httpx.get(f"{nomad_url}{path}", timeout=10)
+        allocs = resp.json() if resp.status_code == 200 else []
+    except (httpx.HTTPError, ValueError):
+        return 0
+    return sum(1 for a in allocs if a.get("ClientStatus") in ("pending", "running"))
+
+
+def wait_allocs_gone(nomad_url: str, job_id: str | None, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if running_allocs(nomad_url, job_id) == 0:
+            return True
+        time.sleep(0.25)
+    return False
+
+
+def passing_instances(consul_url: str, service: str) -> list[str]:
+    """`http://ADDRESS:PORT` of each passing instance of `service` in Consul."""
+    try:
+        resp = httpx.get(f"{consul_url}/v1/health/service/{service}", params={"passing": "1"}, timeout=10)
+        entries = resp.json() if resp.status_code == 200 else []
+    except (httpx.HTTPError, ValueError):
+        return []
+    urls = []
+    for entry in entries:
+        svc = entry.get("Service") or {}
+        address = svc.get("Address") or (entry.get("Node") or {}).get("Address") or "127.0.0.1"
+        urls.append(f"http://{address}:{svc.get('Port')}")
+    return sorted(urls)
+
+
+def _wait_for(what: str, check: Callable[[], bool], timeout: float, hint: Callable[..., str]) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.5)
+    raise ServiceError(f"{what} not ready within {timeout:.0f}s; {hint()}")
+
+
+def start_as_jobs(
+    *,
+    nomad_url: str,
+    consul_url: str,
+    venv: Path,
+    watchers: int,
+    max_start_failures: int,
+    router_port: int,
+    say: Say,
+    logs_hint: str,
+    timeout: float = 120.0,
+) -> Services:
+    watcher_vars = {
+        "venv": str(venv),
+        "nomad_addr": nomad_url,
+        "consul_addr": consul_url,
+        "watcher_count": watchers,
+        "max_start_failures": max_start_failures,
+    }
+    router_vars = {"venv": str(venv), "nomad_addr": nomad_url, "consul_addr": consul_url, "port": router_port}
+    for job_id, variables in ((WATCHER_JOB, watcher_vars), (ROUTER_JOB, router_vars)):
+        hcl = LOCAL_JOBS / f"{job_id}.nomad.hcl"
+        job, parser = parse_job(nomad_url, hcl, variables)
+        register_job(nomad_url, job)
+        say(f"registered {job_id} from {hcl.relative_to(REPO)} (HCL parsed by {parser})")
+    services = Services(router_url=f"http://127.0.0.1:{router_port}")
+    _wait_for(
+        f"{watchers} passing llmgw-watcher instances in Consul",
+        lambda: len(passing_instances(consul_url, WATCHER_JOB)) >= watchers,
+        timeout,
+        lambda: f"see the job's allocations ({logs_hint})",
+    )
+    services.watcher_urls = passing_instances(consul_url, WATCHER_JOB)
+    _wait_for(
+        "the router",
+        lambda: bool(passing_instances(consul_url, ROUTER_JOB)),
+        timeout,
+        lambda: f"see the job's allocations ({logs_hint})",
+    )
+    return services
+
+
+def start_as_processes(
+    *,
+    nomad_url: str,
+    consul_url: str,
+    venv: Path,
+    watchers: int,
+    max_start_failures: int,
+    router_port: int,
+    logs_dir: Path,
+    say: Say,
+    timeout: float = 120.0,
+) -> Services:
+    llmgw = str(venv / "bin" / "llmgw")
+    env = {**os.environ, "NOMAD_ADDR": nomad_url, "CONSUL_HTTP_ADDR": consul_url}
+    services = Services(router_url=f"http://127.0.0.1:{router_port}")
+    started: list[tuple[processes.Child, str]] = []
+    for n in range(watchers):
+        port = free_port()
+        name = f"watcher-{n}"
+        argv = [
+            llmgw,
+            "watcher",
+            "--listen",
+            f"127.0.0.1:{port}",
+            "--max-start-failures",
+            str(max_start_failures),
+        ]
+        proc = processes.spawn(name, argv, logs_dir / f"{name}.log", env=env)
+        child = processes.Child(name, proc.pid, str(logs_dir / f"{name}.log"))
+        services.children.append(child)
+        started.append((child, f"http://127.0.0.1:{port}/healthz"))
+        services.watcher_urls.append(f"http://127.0.0.1:{port}")
+    proc = processes.spawn(
+        "router", [llmgw, "router", "--listen", f"127.0.0.1:{router_port}"], logs_dir / "router.log", env=env
+    )
+    router = processes.Child("router", proc.pid, str(logs_dir / "router.log"))
+    services.children.append(router)
+    started.append((router, f"{services.router_url}/healthz"))
+    say(f"started {watchers} watchers and a router as child processes (logs in {logs_dir})")
+    for child, health in started:
+
+        def healthy(url: str = health, pid: int = child.pid, name: str = child.name) -> bool:
+            if not processes.alive(pid):
+                raise ServiceError(f"{name} exited during start-up; see {logs_dir / (name + '.log')}")
+            try:
+                return httpx.get(url, timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        _wait_for(child.name, healthy, timeout, lambda log=child.log: f"see {log}")
+    return services
+
+
+def venv_root() -> Path:
+    """The virtualenv this process runs in (its `bin/llmgw` is what the jobs run)."""
+    return Path(sys.prefix)

@@ -1,0 +1,415 @@
+"""`python -m devstack up`: the whole dev stack in one foreground process, and `down`.
+
+Start order is dependency order (Consul, Nomad, the watchers and the router, then the models);
+stop order is the reverse, watchers first, so that no watcher sees the engines go away and
+counts it as start failures or re-registers jobs that are being stopped.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import httpx
+
+from devstack import demo_models, fleet, nomad_agent, processes, services
+from devstack.consul_agent import ConsulAgent
+from devstack.ports import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_STATE_DIR = REPO / ".devstack"
+# The demo's four models and what each should come to; `up` waits for all of them.
+EXPECTED = {
+    "gemma-3-270m": "serving",
+    "gemma-3-270m-on-demand": "idle",
+    "kev-0.5b": "parked",
+    "phi-4": "unplaceable",
+}
+
+Say = Callable[[str], None]
+
+
+def say(text: str) -> None:
+    print(f"devstack: {text}", flush=True)
+
+
+class StackError(RuntimeError):
+    """The stack could not be brought up; the message names the part and its log."""
+
+
+class Stop(Exception):
+    """SIGTERM or SIGINT arrived: stop everything that was started."""
+
+
+@dataclass
+class UpOptions:
+    state_dir: Path = DEFAULT_STATE_DIR
+    tiny: bool = False
+    nodes: Path = fleet.SMALL_FLEET
+    template: Path = demo_models.TEMPLATE
+    services: str = "nomad"  # nomad: llmgw's own jobs from jobs/local; process: child processes
+    nomad: str = "auto"  # auto: a real `nomad` when on PATH; standin; real
+    # Nomad's restart and reschedule delays (15 s, then 1 min, 2 min, ...) run this many times
+    # faster in the stand-in, so that kev-0.5b's five failed starts take about a minute.
+    clock_speed: float = 4.0
+    watchers: int = 2
+    max_start_failures: int = 5
+    wait_timeout: float = 600.0
+    tour: bool = True
+
+
+@dataclass
+class Addresses:
+    consul: str = ""
+    nomad: str = ""
+    router: str = ""
+    admin: str = ""
+    watchers: list[str] = field(default_factory=list)
+
+    def env(self) -> dict[str, str]:
+        return {
+            "NOMAD_ADDR": self.nomad,
+            "CONSUL_HTTP_ADDR": self.consul,
+            "LLMGW_ADMIN_ADDR": self.admin,
+            "LLMGW_ROUTER_URL": self.router,
+            "OPENAI_BASE_URL": f"{self.router}/v1",
+        }
+
+
+class Stack:
+    def __init__(self, options: UpOptions, say: Say = say) -> None:
+        self.options = options
+        self.say = say
+        self.dir = options.state_dir.resolve()
+        self.logs = self.dir / "logs"
+        self.engines_dir = self.dir / "engines"
+        self.models_dir = self.dir / "models"
+        self.models_file = self.dir / "models.yaml"
+        self.nodes_file = self.dir / "nodes.yaml"
+        self.state = processes.StackState(up_pid=os.getpid())
+        self.addr = Addresses()
+        self.consul: ConsulAgent | None = None
+        self.nomad_proc: subprocess.Popen[bytes] | None = None
+        self.nomad_is_standin = True
+        self.services = services.Services()
+        self.gemma_is_real = False
+
+    # ----- up -------------------------------------------------------------------------------
+
+    def claim_state_dir(self) -> None:
+        """Refuse to start over a running stack; clear what a dead one left."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        old = processes.StackState.load(self.dir)
+        if old is not None and old.up_pid != os.getpid() and processes.alive(old.up_pid):
+            raise StackError(
+                f"a dev stack is already running from {self.dir} (devstack up, pid {old.up_pid}); "
+                "stop it with 'python -m devstack down' or use another --state-dir"
+            )
+        if old is not None:
+            stop_children(old, self.say)
+        # Allocation directories hold copies of the weights; a new stack starts without them.
+        shutil.rmtree(self.dir / "nomad", ignore_errors=True)
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.save()
+
+    def save(self) -> None:
+        self.state.env = self.addr.env()
+        self.state.info = {
+            "state_dir": str(self.dir),
+            "watchers": self.addr.watchers,
+            "models_file": str(self.models_file),
+            "nodes_file": str(self.nodes_file),
+            "engines_dir": str(self.engines_dir),
+            "logs": str(self.logs),
+            "gemma_is_real": self.gemma_is_real,
+            "services": self.options.services,
+            "nomad": "stand-in" if self.nomad_is_standin else "nomad agent -dev",
+        }
+        self.state.save(self.dir)
+
+    def _track(self, name: str, pid: int, log: Path) -> None:
+        self.state.children.append(processes.Child(name, pid, str(log)))
+        self.save()
+
+    def up(self) -> None:
+        o = self.options
+        self.claim_state_dir()
+        _, self.gemma_is_real = demo_models.prepare_weights(self.models_dir, tiny=o.tiny, say=self.say)
+        demo_models.write_effective_models(self.models_file, self.models_dir, o.template)
+        fleet.install_engines(self.engines_dir)
+        fleet.effective_nodes(o.nodes, self.engines_dir, self.nodes_file)
+        self.say(f"models file: {self.models_file} (from {o.template})")
+
+        self.say("starting a Consul dev agent ...")
+        self.consul = ConsulAgent(log_dir=self.logs, die_with_parent=True).start()
+        assert self.consul.pid is not None
+        self._track("consul", self.consul.pid, self.consul.log_path)
+        self.addr.consul = self.consul.url
+        self.say(f"Consul {self.consul.url} (UI {self.consul.url}/ui/)")
+
+        self._start_nomad()
+        self._start_services()
+        self._apply()
+        from devstack.tour import write_env_file
+
+        write_env_file(self)
+        self.save()
+
+    def _start_nomad(self) -> None:
+        o = self.options
+        binary = nomad_agent.find_nomad() if o.nomad in ("auto", "real") else None
+        if o.nomad == "real" and binary is None:
+            raise StackError("--nomad real: no 'nomad' binary on PATH")
+        log = self.logs / "nomad.log"
+        assert self.consul is not None
+        if binary:
+            self.say(f"starting a real Nomad dev agent ({binary}) ...")
+            self.nomad_is_standin = False
+            proc, url = nomad_agent.start_real(
+                binary=binary,
+                consul_url=self.consul.url,
+                engines_dir=self.engines_dir,
+                state_dir=self.dir,
+                log=log,
+            )
+        else:
+            self.say(
+                f"starting the Nomad stand-in on the simulated fleet {o.nodes.name} "
+                f"(no 'nomad' on PATH; restart delays x{o.clock_speed:g}) ..."
+            )
+            proc, url = nomad_agent.start_standin(
+                nodes=self.nodes_file,
+                consul_url=self.consul.url,
+                data_dir=self.dir / "nomad",
+                log=log,
+                clock_speed=o.clock_speed,
+            )
+        self.nomad_proc = proc
+        self._track("nomad", proc.pid, log)
+        self.addr.nomad = url
+        self.say(f"Nomad {url}")
+
+    def _start_services(self) -> None:
+        o = self.options
+        assert self.consul is not None
+        common: dict[str, Any] = {
+            "nomad_url": self.addr.nomad,
+            "consul_url": self.consul.url,
+            "venv": services.venv_root(),
+            "watchers": o.watchers,
+            "max_start_failures": o.max_start_failures,
+            "router_port": free_port(),
+            "say": self.say,
+        }
+        if o.services == "process":
+            self.services = services.start_as_processes(logs_dir=self.logs, **common)
+            for child in self.services.children:
+                self._track(child.name, child.pid, Path(child.log))
+        else:
+            where = (
+                f"{self.dir / 'nomad'}/alloc/<alloc-id>/alloc/logs"
+                if self.nomad_is_standin
+                else "nomad alloc logs"
+            )
+            self.services = services.start_as_jobs(logs_hint=where, **common)
+        self.addr.router = self.services.router_url
+        self.addr.watchers = self.services.watcher_urls
+        self.addr.admin = self._leader_admin_url()
+        self.save()
+        self.say(
+            f"router {self.addr.router}; watchers {', '.join(self.addr.watchers)} (leader {self.addr.admin})"
+        )
+
+    def _leader_admin_url(self, timeout: float = 60.0) -> str:
+        """The leading watcher's admin API: any watcher answers reads, only the leader `retry`."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for url in self.addr.watchers:
+                try:
+                    body = httpx.get(f"{url}/v1/admin/models", timeout=5).json()
+                except (httpx.HTTPError, ValueError):
+                    continue
+                if body.get("is_leader"):
+                    return url
+                leader = body.get("leader") or {}
+                if leader.get("address"):
+                    return f"http://{leader['address']}"
+            time.sleep(0.5)
+        self.say("no watcher leads yet; LLMGW_ADMIN_ADDR names the first one")
+        return self.addr.watchers[0] if self.addr.watchers else ""
+
+    def _apply(self) -> None:
+        self.say(f"llmgw apply {self.models_file}")
+        result = subprocess.run(
+            [str(services.venv_root() / "bin" / "llmgw"), "apply", str(self.models_file)],
+            env={**os.environ, **self.addr.env()},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        for line in (result.stdout + result.stderr).strip().splitlines():
+            self.say(f"  {line}")
+        if result.returncode != 0:
+            raise StackError(f"llmgw apply {self.models_file} failed with exit code {result.returncode}")
+
+    def wait_for_demo(self, expected: dict[str, str] = EXPECTED) -> dict[str, dict[str, Any]]:
+        """Print each model's changes until every one is where the demo wants it."""
+        self.say("waiting for the models: Gemma to serve, kev-0.5b to be parked, phi-4 to be unplaceable")
+        deadline = time.monotonic() + self.options.wait_timeout
+        shown: dict[str, str] = {}
+        models: dict[str, dict[str, Any]] = {}
+        while True:
+            models = self.admin_models()
+            for name, model in sorted(models.items()):
+                line = describe(model)
+                if shown.get(name) != line:
+                    shown[name] = line
+                    self.say(f"  {name}: {line}")
+            missing = [n for n, want in expected.items() if not reached(models.get(n), want)]
+            if not missing:
+                return models
+            if time.monotonic() > deadline:
+                self.say(
+                    f"still waiting after {self.options.wait_timeout:.0f}s for {', '.join(missing)}; "
+                    f"showing the tour as things stand (logs in {self.logs})"
+                )
+                return models
+            time.sleep(1.0)
+
+    def admin_models(self) -> dict[str, dict[str, Any]]:
+        try:
+            body = httpx.get(f"{self.addr.admin}/v1/admin/models", timeout=10).json()
+        except (httpx.HTTPError, ValueError):
+            return {}
+        return {str(m.get("model")): m for m in body.get("models", []) if isinstance(m, dict)}
+
+    # ----- down -----------------------------------------------------------------------------
+
+    def down(self) -> None:
+        nomad_url = self.addr.nomad
+        if nomad_url and self.nomad_proc is not None and self.nomad_proc.poll() is None:
+            self.say("stopping the watchers ...")
+            if self.options.services == "nomad":
+                # Watchers first: with them gone nothing re-registers a job being stopped.
+                services.stop_job(nomad_url, services.WATCHER_JOB)
+                services.wait_allocs_gone(nomad_url, services.WATCHER_JOB, 40)
+            else:
+                for child in self.services.children:
+                    if child.name.startswith("watcher"):
+                        processes.stop_group(child.pid)
+            self.say("stopping the router and the models' jobs ...")
+            for job_id in services.job_ids(nomad_url):
+                services.stop_job(nomad_url, job_id)
+            # Engines get their kill_timeout to exit; a real Nomad agent would leave them
+            # running if it stopped first.
+            services.wait_allocs_gone(nomad_url, None, 45)
+        if self.state.children:
+            self.say(f"stopping {', '.join(c.name for c in reversed(self.state.children))} ...")
+        stop_children(self.state, self.say)
+        self.consul = None
+        self.nomad_proc = None
+        (self.dir / processes.STATE_FILE).unlink(missing_ok=True)
+
+
+def stop_children(state: processes.StackState, say: Say) -> None:
+    """Every recorded process group, newest first; the state file lists what `up` started."""
+    for child in reversed(state.children):
+        if not processes.alive(child.pid) and not processes.group_members(child.pid):
+            continue
+        if not processes.stop_group(child.pid):
+            say(f"{child.name} (pid {child.pid}) did not stop, even on SIGKILL")
+
+
+def describe(model: dict[str, Any]) -> str:
+    """One line per change: the watcher's own reason, which already names the state."""
+    reason = str(model.get("reason") or "")
+    line = reason or str(model.get("state", "?"))
+    return line if len(line) <= 200 else line[:197] + "..."
+
+
+def reached(model: dict[str, Any] | None, want: str) -> bool:
+    if model is None:
+        return False
+    if want == "serving":
+        return int(model.get("ready") or 0) >= 1
+    if want == "idle":
+        return model.get("state") == "idle"
+    if want == "parked":
+        return bool(model.get("parked"))
+    if want == "unplaceable":
+        return bool(model.get("unplaceable"))
+    return False
+
+
+def run_up(options: UpOptions, say: Say = say) -> int:
+    """Bring the stack up, show the tour, stay until Ctrl-C or `devstack down`, stop it all."""
+
+    def stop(signum: int, frame: FrameType | None) -> None:
+        raise Stop(signal.Signals(signum).name)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    stack = Stack(options, say)
+    code = 0
+    try:
+        stack.up()
+        models = stack.wait_for_demo()
+        if options.tour:
+            from devstack.tour import show_tour
+
+            show_tour(stack, models)
+        stack.state.ready = True
+        stack.save()
+        say("the stack is up; Ctrl-C here, or 'python -m devstack down' from another shell, stops it")
+        while True:
+            time.sleep(1.0)
+            for name, proc in (("nomad", stack.nomad_proc),):
+                if proc is not None and proc.poll() is not None:
+                    raise StackError(f"{name} exited with status {proc.returncode}; see {stack.logs}")
+            if stack.consul is not None and not stack.consul.running:
+                raise StackError(f"consul exited; see {stack.consul.log_path}")
+    except Stop as exc:
+        say(f"{exc}: stopping everything this stack started ...")
+    except (
+        StackError,
+        services.ServiceError,
+        nomad_agent.NomadStartError,
+        RuntimeError,
+        OSError,
+        ValueError,
+    ) as exc:
+        say(f"error: {exc}")
+        code = 1
+    finally:
+        # A second Ctrl-C must not cut the clean-up short and leave engines behind.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        stack.down()
+        say("stopped")
+    return code
+
+
+def run_down(state_dir: Path, say: Say = say, timeout: float = 120.0) -> int:
+    state = processes.StackState.load(state_dir)
+    if state is None:
+        say(f"no dev stack state in {state_dir}; nothing to stop")
+        return 0
+    if processes.alive(state.up_pid):
+        say(f"asking devstack up (pid {state.up_pid}) to stop what it started ...")
+        os.kill(state.up_pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while processes.alive(state.up_pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    # Whatever is left (devstack up was killed, or did not finish in time) is stopped by group.
+    stop_children(state, say)
+    (state_dir / processes.STATE_FILE).unlink(missing_ok=True)
+    say("stopped")
+    return 0

@@ -1,0 +1,166 @@
+"""The short tour `devstack up` prints once the stack is up: real calls, their real answers.
+
+Each step shows the command a user would type and what it returned just now, so the tour is
+also a smoke test: a broken router or watcher shows up here as an error, not as a claim.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import subprocess
+from typing import TYPE_CHECKING, Any
+
+import openai
+
+if TYPE_CHECKING:
+    from devstack.stack import Stack
+
+PROMPT = "The three primary colours are"
+# A base model continues text; it has not learnt to follow a chat turn, so the curl asks for a
+# completion too. Chat requests work the same way (`/v1/chat/completions`), and are what an
+# instruction-tuned model is for.
+STORY = "Once upon a time, in a small village by the sea,"
+
+
+def _print(text: str = "") -> None:
+    print(text, flush=True)
+
+
+def _indent(text: str, by: str = "    ") -> str:
+    return "\n".join(by + line for line in text.rstrip().splitlines())
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def openai_step(router: str) -> str:
+    client = openai.OpenAI(base_url=f"{router}/v1", api_key="devstack", max_retries=5, timeout=120)
+    reply = client.completions.create(model="gemma-3-270m", prompt=PROMPT, max_tokens=32, temperature=0.7)
+    return reply.choices[0].text
+
+
+def refusal_step(router: str, model: str) -> str:
+    client = openai.OpenAI(base_url=f"{router}/v1", api_key="devstack", max_retries=0, timeout=60)
+    try:
+        client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "hello"}], max_tokens=8
+        )
+    except openai.APIStatusError as exc:
+        body = exc.body if isinstance(exc.body, dict) else {}
+        code = body.get("code") or (body.get("error") or {}).get("code", "")
+        message = body.get("message") or (body.get("error") or {}).get("message", str(exc))
+        return f"HTTP {exc.status_code} {code}: {message}"
+    except openai.APIError as exc:
+        return f"error: {exc}"
+    return "answered (not refused)"
+
+
+def curl_command(router: str) -> list[str]:
+    body = {"model": "gemma-3-270m", "prompt": STORY, "max_tokens": 40}
+    return [
+        "curl",
+        "-s",
+        f"{router}/v1/completions",
+        "-H",
+        "Content-Type: application/json",
+        "-d",
+        json.dumps(body),
+    ]
+
+
+def curl_step(router: str) -> str:
+    argv = curl_command(router)
+    if shutil.which("curl") is None:
+        return "(curl is not installed here)"
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=180)
+    try:
+        reply: dict[str, Any] = json.loads(out.stdout)
+        return STORY + str(reply["choices"][0]["text"])
+    except (ValueError, KeyError, IndexError, TypeError):
+        return out.stdout.strip() or out.stderr.strip()
+
+
+def ctl_step(stack: Stack, *args: str) -> str:
+    from devstack.services import venv_root
+
+    llmgw = str(venv_root() / "bin" / "llmgw")
+    env = {**os.environ, **stack.addr.env(), "COLUMNS": "120", "NO_COLOR": "1"}
+    out = subprocess.run([llmgw, "ctl", *args], capture_output=True, text=True, env=env, timeout=60)
+    return (out.stdout + out.stderr).rstrip()
+
+
+def show_tour(stack: Stack, models: dict[str, dict[str, Any]]) -> None:
+    a = stack.addr
+    gemma = "Gemma 3 270M (a base model: fluent rather than helpful)"
+    if not stack.gemma_is_real:
+        gemma = "a tiny generated model standing in for Gemma (random weights, so random text)"
+    _print()
+    _print("=" * 100)
+    _print("llmgw dev stack: a five-minute tour")
+    _print("=" * 100)
+    _print(f"\n1. {gemma}, through the router, with the openai SDK:\n")
+    _print(
+        _indent(
+            "from openai import OpenAI\n"
+            f'client = OpenAI(base_url="{a.router}/v1", api_key="devstack")\n'
+            f'client.completions.create(model="gemma-3-270m", prompt="{PROMPT}", max_tokens=32)'
+        )
+    )
+    try:
+        _print(f"\n    -> {_one_line(PROMPT + openai_step(a.router))}")
+    except openai.APIError as exc:
+        _print(f"\n    -> error: {exc}")
+
+    _print("\n2. The same model with curl:\n")
+    _print(_indent(shlex.join(curl_command(a.router))))
+    _print(f"\n    -> {_one_line(curl_step(a.router))}")
+
+    _print("\n3. The two incidents, replayed. Each model against what it should have now:\n")
+    _print(_indent(ctl_step(stack, "status")))
+    _print("\n   A request for a parked or unplaceable model is refused at once, with why:\n")
+    for model in ("kev-0.5b", "phi-4"):
+        _print(f"    {model}: {refusal_step(a.router, model)}")
+
+    _print("\n4. Where to look:\n")
+    _print(f"    Consul UI          {a.consul}/ui/dc1/services/llmgw-model (each model, with its health)")
+    _print(f"    watcher metrics    {a.admin}/metrics   (llmgw_model_parked, llmgw_model_unplaceable, ...)")
+    _print(f"    router metrics     {a.router}/metrics")
+    _print(f"    admin API          {a.admin}/v1/admin/summary")
+    _print(f"    Nomad API          {a.nomad}/v1/jobs")
+    _print(f"    logs               {stack.logs} (Consul, Nomad)")
+    if stack.nomad_is_standin:
+        _print(
+            f"                       {stack.dir / 'nomad' / 'alloc'}/<alloc-id>/alloc/logs (watchers, router, engines)"
+        )
+
+    _print("\n5. Use it from another shell:\n")
+    env_file = stack.dir / "env"
+    _print(_indent("\n".join(f"export {k}={v}" for k, v in a.env().items())))
+    _print(f"\n   (or: source {env_file}), then try:\n")
+    _print(
+        _indent(
+            "llmgw ctl status                 # the table above\n"
+            "llmgw ctl summary                # the fleet: nodes, GPUs by class, parked, unplaceable\n"
+            "llmgw ctl models kev-0.5b        # one model in full, with its last error\n"
+            "curl -s $LLMGW_ROUTER_URL/v1/models\n"
+            "curl -s $LLMGW_ADMIN_ADDR/metrics | grep '^llmgw_model_'\n"
+            "# the on-demand copy starts on its first request (and stops after 2 idle minutes):\n"
+            "curl -s $LLMGW_ROUTER_URL/v1/completions -H 'Content-Type: application/json' \\\n"
+            '  -d \'{"model": "gemma-3-270m-on-demand", "prompt": "Once upon a time", "max_tokens": 24}\'\n'
+            "llmgw ctl retry kev-0.5b         # place it again: five more failures, parked again"
+        )
+    )
+    _print("=" * 100)
+    del models
+
+
+def write_env_file(stack: Stack) -> None:
+    from devstack.services import venv_root
+
+    lines = [f"export {k}={shlex.quote(v)}" for k, v in stack.addr.env().items()]
+    lines.append(f'export PATH={shlex.quote(str(venv_root() / "bin"))}:"$PATH"')
+    (stack.dir / "env").write_text("\n".join(lines) + "\n")

@@ -1,0 +1,76 @@
+"""The dev stack's parts that need no running stack: the files `devstack up` writes, the
+engines link, and stopping a process group with everything its leader started."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import yaml
+
+from devstack import demo_models, fleet, processes
+from devstack.nomad.nodes import load_nodes
+from nomad_driver.spec import load_models, parse_models
+
+
+def _say(text: str) -> None:
+    pass
+
+
+def test_demo_template_is_a_valid_models_file_with_the_four_demo_models() -> None:
+    models = parse_models(demo_models.TEMPLATE.read_text(), str(demo_models.TEMPLATE))
+    assert set(models.models) == {"gemma-3-270m", "gemma-3-270m-on-demand", "kev-0.5b", "phi-4"}
+    assert models.models["gemma-3-270m-on-demand"].replicas_min == 0
+    assert models.models["gemma-3-270m"].profile.chat_format == "gemma"
+
+
+def test_effective_models_file_points_at_weights_that_exist(tmp_path: Path) -> None:
+    models_dir, real = demo_models.prepare_weights(tmp_path / "models", tiny=True, say=_say)
+    assert real is False
+    out = demo_models.write_effective_models(tmp_path / "models.yaml", models_dir)
+    text = out.read_text()
+    assert demo_models.PLACEHOLDER not in text
+    for name, model in load_models(out).models.items():
+        path = Path(urlsplit(model.source).path)
+        assert path.is_absolute() and path.is_file(), f"{name}: {model.source} is not a file here"
+    kev = load_models(out).models["kev-0.5b"].source
+    assert b"kev" in Path(urlsplit(kev).path).read_bytes()[:4096]
+
+
+def test_engines_link_runs_llama_cpp_from_the_virtualenv(tmp_path: Path) -> None:
+    link = fleet.install_engines(tmp_path / "engines")
+    assert link == tmp_path / "engines" / "llama-cpp-python" / "0.3.36"
+    # What a job runs: <engines_dir>/llama-cpp-python/<version>/bin/python -m llama_cpp.server.
+    out = subprocess.run(
+        [
+            str(link / "bin" / "python"),
+            "-c",
+            "import llama_cpp.server, llama_cpp; print(llama_cpp.__version__)",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "0.3.36"
+
+
+def test_effective_nodes_offer_the_stacks_engines_dir(tmp_path: Path) -> None:
+    engines = tmp_path / "engines"
+    out = fleet.effective_nodes(fleet.SMALL_FLEET, engines, tmp_path / "nodes.yaml")
+    nodes = load_nodes(out)
+    assert len(nodes) == len(yaml.safe_load(fleet.SMALL_FLEET.read_text())["nodes"])
+    assert {n["Meta"]["llmgw_engines_dir"] for n in nodes} == {str(engines.resolve())}
+
+
+def test_stop_group_stops_what_the_child_started_too(tmp_path: Path) -> None:
+    proc = processes.spawn("shell", ["sh", "-c", "sleep 300 & sleep 300"], tmp_path / "shell.log")
+    deadline = time.monotonic() + 10
+    while len(processes.group_members(proc.pid)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    members = processes.group_members(proc.pid)
+    assert len(members) >= 2  # the shell and its background sleep, at least
+    assert processes.stop_group(proc.pid, timeout=10)
+    assert not [pid for pid in members if processes.alive(pid)]
