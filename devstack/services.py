@@ -55,14 +55,6 @@ def parse_job(nomad_url: str, hcl_path: Path, variables: Mapping[str, object]) -
     """The job's API JSON, and who parsed the HCL."""
     body = {"JobHCL": hcl_path.read_text(), "Variables": hcl_variables(variables), "Canonicalize": True}
     resp = httpx.post(f"{nomad_url}/v1/jobs/parse", json=body, timeout=30)
-    if resp.status_code == 404:
-        # A stand-in from before /v1/jobs/parse existed: the same parser, in this process.
-        from devstack.nomad.jobspec import JobspecError, parse_jobspec
-
-        try:
-            return parse_jobspec(hcl_path.read_text(), dict(variables)), "devstack.nomad.jobspec"
-        except JobspecError as exc:
-            raise ServiceError(f"{hcl_path}: {exc}") from exc
     if resp.status_code != 200:
         raise ServiceError(f"{hcl_path}: Nomad refused to parse it: {resp.status_code} {resp.text.strip()}")
     job: dict[str, Any] = resp.json()
