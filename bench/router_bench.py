@@ -1,27 +1,37 @@
 """How much the router adds, measured side by side in one run on this machine.
 
     .venv/bin/python bench/router_bench.py [--requests 2000] [--seconds 8] [--clients 64]
+        [--no-litellm] [--no-clients-compare] [--no-activation] [--no-failover]
 
-Three servers in front of one fixed-answer stub engine (raw ASGI under uvicorn): nothing (the
-stub itself), a bare Starlette + aiohttp-client proxy (the floor for a Python proxy), and the
-llmgw router (`llmgw router`, discovering the stub through a real Consul dev agent). Each gets
+Servers in front of one fixed-answer stub engine (raw ASGI under uvicorn): nothing (the stub
+itself), a bare Starlette proxy once per upstream client the router could use (aiohttp, httpx,
+httpx2, httpx over an aiohttp transport; the aiohttp one is the floor for a Python proxy), the
+llmgw router (`llmgw router`, discovering the stub through a real Consul dev agent), and
+LiteLLM's proxy (installed once into its own virtualenv under ~/.cache/llmgw/bench). Each gets
 the same load from this process: one keep-alive client for latency, `--clients` concurrent
-clients for throughput, streamed requests for time to first byte, and requests for a parked
-model for the refusal path. Everything shares the machine's cores, so only the ratios within
-one run mean anything.
+clients for throughput, and streamed requests for time to first byte; the router also gets
+requests for a parked and an unplaceable model (the latter also from a second router that asks
+the Nomad stand-in afresh each time), and a second replica whose Consul check is failed under
+load, to time how long new requests still reach it. Everything shares the
+machine's cores, so only the ratios within one run mean anything. Exits 1 if a target is missed.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import importlib.util
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +48,14 @@ Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
+# Installs made for the bench live here, never in the project's virtualenv: LiteLLM pins its own
+# versions of half of our dependencies, and the client comparison needs packages the router
+# does not.
+CACHE = Path.home() / ".cache" / "llmgw" / "bench"
+LITELLM_PIN = "litellm[proxy]==1.108.7"
+HTTPX_AIOHTTP_PIN = "httpx-aiohttp==0.2.0"
+CLIENTS = ("aiohttp", "httpx", "httpx2", "httpx+aiohttp")
+
 ANSWER = json.dumps(
     {
         "id": "chatcmpl-stub",
@@ -48,7 +66,10 @@ ANSWER = json.dumps(
         "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6},
     }
 ).encode()
-EVENT = b'data: {"choices":[{"index":0,"delta":{"content":"ok"}}]}\n\n'
+EVENT = (
+    b'data: {"id":"chatcmpl-stub","object":"chat.completion.chunk","created":0,"model":"bench",'
+    b'"choices":[{"index":0,"delta":{"content":"ok"},"finish_reason":null}]}\n\n'
+)
 REQUEST = json.dumps(
     {
         "model": "bench",
@@ -61,17 +82,29 @@ REQUEST = json.dumps(
 ).encode()
 STREAM_REQUEST = json.dumps({**json.loads(REQUEST), "stream": True}).encode()
 PARKED_REQUEST = json.dumps({**json.loads(REQUEST), "model": "parked"}).encode()
+UNPLACEABLE_REQUEST = json.dumps({**json.loads(REQUEST), "model": "unplaceable"}).encode()
 HEADERS = {"Content-Type": "application/json"}
 MODELS = """
 profiles:
   p: {engine: llama-cpp-python, engine_version: "0.3.36", gpus: 0}
+  huge: {engine: llama-cpp-python, engine_version: "0.3.36", gpus: 8, gpu_memory_mib: 80000, memory_mib: 1024}
 models:
   bench: {source: "file:///bench.gguf", profile: p}
   parked: {source: "file:///parked.gguf", profile: p}
+  unplaceable: {source: "file:///unplaceable.gguf", profile: p}
+  huge: {source: "file:///huge.gguf", profile: huge, replicas: {min: 0, max: 1}}
 """
+HUGE_REQUEST = json.dumps({**json.loads(REQUEST), "model": "huge"}).encode()
+# Its H100 node has one unhealthy GPU of eight, so `huge` fits nowhere and Nomad says why.
+STANDIN_NODES = REPO / "devstack" / "nodes" / "small.yaml"
+UNPLACEABLE_REASON = "model 'unplaceable' cannot be placed on any node: no node has 8 x nvidia/gpu"
 
 
 # -- the servers ------------------------------------------------------------------------------
+
+# When the stub last answered a completion (wall clock, comparable across processes on this
+# machine) and how many it answered: the failover check reads them from /bench/last.
+LAST: dict[str, float] = {"at": 0.0, "count": 0}
 
 
 async def stub_app(scope: Scope, receive: Receive, send: Send) -> None:
@@ -83,13 +116,18 @@ async def stub_app(scope: Scope, receive: Receive, send: Send) -> None:
         body += message.get("body", b"")
         if not message.get("more_body"):
             break
-    if scope["path"] == "/v1/models":
-        payload = b'{"object":"list","data":[]}'
+    if scope["path"] in ("/v1/models", "/bench/last"):
+        payload = (
+            b'{"object":"list","data":[]}' if scope["path"] == "/v1/models" else json.dumps(LAST).encode()
+        )
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": payload})
         return
-    if b'"stream": true' in body:
+    LAST["at"] = time.time()
+    LAST["count"] += 1
+    # Our own clients write `"stream": true`; the OpenAI SDK inside LiteLLM writes compact JSON.
+    if b'"stream": true' in body or b'"stream":true' in body:
         await send(
             {
                 "type": "http.response.start",
@@ -106,18 +144,18 @@ async def stub_app(scope: Scope, receive: Receive, send: Send) -> None:
     await send({"type": "http.response.body", "body": ANSWER})
 
 
-def baseline_app(upstream: str) -> Any:
-    """The floor: Starlette in, aiohttp out, no parsing, no choice of replica."""
+def baseline_app(upstream: str, client: str) -> Any:
+    """The floor: Starlette in, `client` out, no parsing, no choice of replica."""
     from starlette.applications import Starlette
     from starlette.requests import Request
     from starlette.responses import Response, StreamingResponse
     from starlette.routing import Route
 
-    session: dict[str, aiohttp.ClientSession] = {}
+    holder: dict[str, Any] = {}
 
-    async def proxy(request: Request) -> Response:
+    async def via_aiohttp(request: Request) -> Response:
         body = await request.body()
-        resp = await session["s"].post(upstream + request.url.path, data=body, headers=HEADERS)
+        resp = await holder["s"].post(upstream + request.url.path, data=body, headers=HEADERS)
         if resp.content_length is None:
 
             async def chunks() -> Any:
@@ -130,19 +168,116 @@ def baseline_app(upstream: str) -> Any:
         resp.release()
         return Response(data, status_code=resp.status, media_type=resp.content_type)
 
+    async def via_httpx(request: Request) -> Response:
+        body = await request.body()
+        session = holder["s"]
+        req = session.build_request("POST", upstream + request.url.path, content=body, headers=HEADERS)
+        resp = await session.send(req, stream=True)
+        media_type = resp.headers.get("content-type")
+        if "content-length" not in resp.headers:
+
+            async def chunks() -> Any:
+                try:
+                    async for chunk in resp.aiter_raw():
+                        yield chunk
+                finally:
+                    await resp.aclose()
+
+            return StreamingResponse(chunks(), status_code=resp.status_code, media_type=media_type)
+        data = await resp.aread()
+        await resp.aclose()
+        return Response(data, status_code=resp.status_code, media_type=media_type)
+
+    def open_session() -> Any:
+        # The httpx family keeps its default pool (100 connections, 20 kept alive): measured
+        # here, httpx 0.28 with 1,024 kept alive did 143 req/s against 566 with the default,
+        # and httpx2 933 against 1,108, so the default is the fair comparison.
+        if client == "aiohttp":
+            return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1024))
+        if client == "httpx":
+            return httpx.AsyncClient()
+        if client == "httpx2":
+            import httpx2
+
+            return httpx2.AsyncClient()
+        from httpx_aiohttp import HttpxAiohttpClient
+
+        return HttpxAiohttpClient()
+
     async def lifespan(app: Any) -> Any:
-        session["s"] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1024))
+        holder["s"] = open_session()
         yield
-        await session["s"].close()
+        if client == "aiohttp":
+            await holder["s"].close()
+        else:
+            await holder["s"].aclose()
 
-    return Starlette(routes=[Route("/v1/chat/completions", proxy, methods=["POST"])], lifespan=lifespan)
+    handler = via_aiohttp if client == "aiohttp" else via_httpx
+    return Starlette(routes=[Route("/v1/chat/completions", handler, methods=["POST"])], lifespan=lifespan)
 
 
-def serve(kind: str, port: int, upstream: str) -> None:
+def serve(kind: str, port: int, upstream: str, client: str) -> None:
     import uvicorn
 
-    app = stub_app if kind == "stub" else baseline_app(upstream)
+    app = stub_app if kind == "stub" else baseline_app(upstream, client)
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+
+
+# -- what the bench installs --------------------------------------------------------------------
+
+
+def pip_install(python: Path | str, *args: str) -> bool:
+    cmd = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", *args]
+    done = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if done.returncode != 0:
+        # pip's own errors are long; the last lines say which requirement failed and why.
+        tail = "\n".join(done.stderr.strip().splitlines()[-5:])
+        print(f"pip install {' '.join(args)} failed:\n{tail}", file=sys.stderr)
+    return done.returncode == 0
+
+
+def litellm_venv() -> tuple[Path, str]:
+    """LiteLLM's proxy in its own virtualenv, made once; returns its `litellm` and version."""
+    venv = CACHE / "litellm-venv"
+    exe = venv / "bin" / "litellm"
+    python = venv / "bin" / "python"
+    if not exe.exists():
+        print(f"installing {LITELLM_PIN} into {venv} (once, about a minute)...", file=sys.stderr)
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        # The pin is the version compared against before; if the index no longer has it, the
+        # newest is still a fair comparison and the table says which one ran.
+        if not pip_install(python, LITELLM_PIN) and not pip_install(python, "litellm[proxy]"):
+            raise RuntimeError(f"could not install LiteLLM into {venv}; rerun with --no-litellm")
+    version = subprocess.run(
+        [str(python), "-c", "import importlib.metadata as m; print(m.version('litellm'))"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    return exe, version
+
+
+def clients_path() -> str:
+    """A PYTHONPATH entry with what the client comparison needs beyond the project's venv."""
+    target = CACHE / "clients"
+    if not (target / "httpx_aiohttp").exists():
+        # httpx and aiohttp come from the project's venv; only the transport itself is added.
+        pip_install(sys.executable, "--no-deps", "--target", str(target), HTTPX_AIOHTTP_PIN)
+    if importlib.util.find_spec("httpx2") is None and not (target / "httpx2").exists():
+        pip_install(sys.executable, "--target", str(target), "httpx2")
+    return str(target)
+
+
+def client_available(client: str, path: str) -> bool:
+    module = {"aiohttp": "aiohttp", "httpx": "httpx", "httpx2": "httpx2", "httpx+aiohttp": "httpx_aiohttp"}[
+        client
+    ]
+    probe = subprocess.run(
+        [sys.executable, "-c", f"import {module}"],
+        env={**os.environ, "PYTHONPATH": path},
+        capture_output=True,
+    )
+    return probe.returncode == 0
 
 
 # -- the load -----------------------------------------------------------------------------------
@@ -160,10 +295,21 @@ async def latency(url: str, body: bytes, n: int, warmup: int = 50, expect: int =
             started = time.perf_counter()
             async with session.post(url, data=body, headers=HEADERS) as resp:
                 await resp.read()
-                assert resp.status == expect, (url, resp.status, await resp.text())
+                if resp.status != expect:
+                    raise RuntimeError(
+                        f"{url}: expected {expect}, got {resp.status}: {(await resp.text())[:300]}"
+                    )
             if i >= warmup:
                 timings.append(time.perf_counter() - started)
     return timings
+
+
+async def refuses(url: str, body: bytes, code: str) -> None:
+    """A 503 is not enough: only the refusal the check is about counts (not, say, Nomad unreachable)."""
+    async with aiohttp.ClientSession() as session, session.post(url, data=body, headers=HEADERS) as resp:
+        error = (await resp.json(content_type=None)).get("error", {})
+        if resp.status != 503 or error.get("code") != code:
+            raise RuntimeError(f"{url}: expected a 503 {code}, got {resp.status} {error}")
 
 
 async def ttfb(url: str, n: int, warmup: int = 50) -> list[float]:
@@ -174,15 +320,18 @@ async def ttfb(url: str, n: int, warmup: int = 50) -> list[float]:
             async with session.post(url, data=STREAM_REQUEST, headers=HEADERS) as resp:
                 first = await resp.content.readany()
                 took = time.perf_counter() - started
-                assert resp.status == 200 and first
+                if resp.status != 200 or not first:
+                    raise RuntimeError(f"{url}: stream answered {resp.status} with {first[:300]!r}")
                 await resp.read()
             if i >= warmup:
                 timings.append(took)
     return timings
 
 
-async def throughput(url: str, clients: int, seconds: float) -> float:
+async def throughput(url: str, clients: int, seconds: float) -> tuple[float, dict[int, int]]:
+    """Successful requests per second, and how many answers were something else, by status."""
     done = 0
+    failed: dict[int, int] = {}
     stop_at = time.perf_counter() + seconds
 
     async def worker(session: aiohttp.ClientSession) -> None:
@@ -192,14 +341,94 @@ async def throughput(url: str, clients: int, seconds: float) -> float:
                 await resp.read()
                 if resp.status == 200:
                     done += 1
+                else:
+                    failed[resp.status] = failed.get(resp.status, 0) + 1
+
+    async def warm(session: aiohttp.ClientSession) -> None:
+        async with session.post(url, data=REQUEST, headers=HEADERS) as resp:
+            await resp.read()
 
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=clients)) as session:
-        # Warm the connections first.
-        await asyncio.gather(*(session.post(url, data=REQUEST, headers=HEADERS) for _ in range(clients)))
+        # Every connection is opened before the clock starts.
+        await asyncio.gather(*(warm(session) for _ in range(clients)))
         started = time.perf_counter()
         stop_at = started + seconds
         await asyncio.gather(*(worker(session) for _ in range(clients)))
-        return done / (time.perf_counter() - started)
+        return done / (time.perf_counter() - started), failed
+
+
+@dataclass
+class Failover:
+    before: int = 0
+    after: int = 0
+    errors: int = 0
+    last_after_fail_s: float = 0.0
+
+
+async def failover(consul: str, router: str, stub2: str, stub2_port: int, clients: int = 8) -> Failover:
+    """Load the router while a second replica's check turns critical; when did it last get work?"""
+    result = Failover()
+    async with aiohttp.ClientSession() as session:
+        async with session.put(
+            f"{consul}/v1/agent/service/register",
+            json={
+                "Name": "llmgw-engine",
+                "ID": "bench-2",
+                "Address": "127.0.0.1",
+                "Port": stub2_port,
+                "Tags": ["model=bench"],
+                "Meta": {"model": "bench", "def_hash": "b"},
+                "Check": {"CheckID": "bench-2-ttl", "TTL": "120s", "Status": "passing"},
+            },
+        ) as resp:
+            resp.raise_for_status()
+        deadline = time.monotonic() + 15
+        while True:
+            async with session.get(f"{router}/healthz") as resp:
+                if (await resp.json(content_type=None)).get("ready_replicas") == 2:
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError("the router did not see the second replica within 15 s")
+            await asyncio.sleep(0.05)
+
+        stop = asyncio.Event()
+        counter = iter(range(10**9))
+
+        async def worker() -> None:
+            while not stop.is_set():
+                # A new conversation each time, so that affinity does not keep work off replica 2.
+                body = json.dumps(
+                    {"model": "bench", "messages": [{"role": "user", "content": f"request {next(counter)}"}]}
+                ).encode()
+                async with session.post(f"{router}/v1/chat/completions", data=body, headers=HEADERS) as resp:
+                    await resp.read()
+                    if resp.status != 200:
+                        result.errors += 1
+
+        async def last() -> dict[str, float]:
+            async with session.get(f"{stub2}/bench/last") as resp:
+                data: dict[str, float] = await resp.json()
+                return data
+
+        workers = [asyncio.create_task(worker()) for _ in range(clients)]
+        try:
+            await asyncio.sleep(1.5)
+            # Counted from before the call, so the time Consul takes to take it is included.
+            failed_at = time.time()
+            async with session.put(f"{consul}/v1/agent/check/fail/bench-2-ttl?note=bench") as resp:
+                resp.raise_for_status()
+            at_fail = await last()
+            await asyncio.sleep(2.5)
+        finally:
+            stop.set()
+            await asyncio.gather(*workers, return_exceptions=True)
+        end = await last()
+        result.before = int(at_fail["count"])
+        result.after = int(end["count"] - at_fail["count"])
+        result.last_after_fail_s = end["at"] - failed_at
+        async with session.put(f"{consul}/v1/agent/service/deregister/bench-2") as resp:
+            resp.raise_for_status()
+    return result
 
 
 # -- the run ------------------------------------------------------------------------------------
@@ -215,10 +444,48 @@ def run_loop(coro: Any) -> int:
     return int(uvloop.run(coro))
 
 
-def start(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        args, cwd=REPO, env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-    )
+@dataclass
+class Procs:
+    logs: Path
+    running: list[tuple[str, subprocess.Popen[bytes]]] = field(default_factory=list)
+
+    def start(self, name: str, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        # A log file, not a pipe: nobody reads a pipe during the run, and a chatty server
+        # (LiteLLM) would block on a full one and look slow.
+        log = (self.logs / f"{name}.log").open("wb")
+        proc = subprocess.Popen(
+            args,
+            cwd=REPO,
+            env={**os.environ, **(env or {})},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            # Its own process group, so that stopping it also stops any worker it forked.
+            start_new_session=True,
+        )
+        log.close()
+        self.running.append((name, proc))
+        return proc
+
+    def tail(self, name: str) -> str:
+        path = self.logs / f"{name}.log"
+        return "\n".join(path.read_text(errors="replace").splitlines()[-15:]) if path.exists() else ""
+
+    def stop_all(self) -> None:
+        for _, proc in reversed(self.running):
+            signal_group(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                signal_group(proc.pid, signal.SIGKILL)
+                proc.wait(5)
+            # Anything the leader forked and left behind goes with it.
+            signal_group(proc.pid, signal.SIGKILL)
+        self.running.clear()
+
+
+def signal_group(pgid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, sig)
 
 
 def wait_http(url: str, timeout: float = 30.0, ok: Callable[[httpx.Response], bool] | None = None) -> None:
@@ -235,113 +502,308 @@ def wait_http(url: str, timeout: float = 30.0, ok: Callable[[httpx.Response], bo
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--seconds", type=float, default=8.0)
     parser.add_argument("--clients", type=int, default=64)
+    parser.add_argument(
+        "--litellm",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help=f"also measure LiteLLM's proxy ({LITELLM_PIN}, installed once under {CACHE})",
+    )
+    parser.add_argument(
+        "--clients-compare",
+        dest="compare",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="measure a bare proxy per upstream client (aiohttp, httpx, httpx2, httpx+aiohttp), not just aiohttp",
+    )
+    parser.add_argument(
+        "--failover",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="time how long a replica whose check turns critical still gets new requests",
+    )
+    parser.add_argument(
+        "--activation",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="time the unplaceable refusal of a router that asks the Nomad stand-in afresh each time",
+    )
     parser.add_argument("--serve", choices=["stub", "baseline"], help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--upstream", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--client", default="aiohttp", choices=CLIENTS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
-        serve(args.serve, args.port, args.upstream)
+        serve(args.serve, args.port, args.upstream, args.client)
         return 0
 
-    procs: list[subprocess.Popen[bytes]] = []
-    agent = ConsulAgent().start()
-    try:
-        stub_port, base_port, router_port = free_port(), free_port(), free_port()
-        me = [sys.executable, str(Path(__file__).resolve())]
-        procs.append(start([*me, "--serve", "stub", "--port", str(stub_port)]))
-        stub = f"http://127.0.0.1:{stub_port}"
-        wait_http(f"{stub}/v1/models")
-        procs.append(start([*me, "--serve", "baseline", "--port", str(base_port), "--upstream", stub]))
-        httpx.put(
-            f"{agent.url}/v1/agent/service/register",
-            json={
-                "Name": "llmgw-engine",
-                "ID": "bench-1",
-                "Address": "127.0.0.1",
-                "Port": stub_port,
-                "Tags": ["model=bench"],
-                "Meta": {"model": "bench", "def_hash": "b"},
-                "Check": {"HTTP": f"{stub}/v1/models", "Interval": "5s", "Status": "passing"},
-            },
-        ).raise_for_status()
-        httpx.put(f"{agent.url}/v1/kv/llmgw/config/models", content=MODELS).raise_for_status()
-        httpx.put(f"{agent.url}/v1/kv/llmgw/state/parked", json={"parked": True, "last_error": "bench"})
-        procs.append(
-            start(
-                [
-                    sys.executable,
-                    "-c",
-                    "from nomad_driver.cli import main; main()",
-                    "router",
-                    "--no-activation",
-                    "--listen",
-                    f"127.0.0.1:{router_port}",
-                    "--log-level",
-                    "warning",
-                ],
-                env={"CONSUL_HTTP_ADDR": agent.url},
-            )
+    with tempfile.TemporaryDirectory(prefix="llmgw-bench-") as tmp:
+        procs = Procs(Path(tmp))
+        agent = ConsulAgent().start()
+        try:
+            return run(args, agent, procs, Path(tmp))
+        finally:
+            procs.stop_all()
+            agent.stop()
+
+
+def run(args: argparse.Namespace, agent: ConsulAgent, procs: Procs, tmp: Path) -> int:
+    me = [sys.executable, str(Path(__file__).resolve())]
+    stub_port, stub2_port, router_port = free_port(), free_port(), free_port()
+    procs.start("stub", [*me, "--serve", "stub", "--port", str(stub_port)])
+    stub = f"http://127.0.0.1:{stub_port}"
+    wait_http(f"{stub}/v1/models")
+    targets: dict[str, str] = {"stub": stub}
+
+    extra_path = clients_path() if args.compare else ""
+    for client in CLIENTS if args.compare else ("aiohttp",):
+        if not client_available(client, extra_path):
+            print(f"skipping the {client} proxy: not importable", file=sys.stderr)
+            continue
+        port = free_port()
+        procs.start(
+            f"proxy-{client}",
+            [*me, "--serve", "baseline", "--port", str(port), "--upstream", stub, "--client", client],
+            env={"PYTHONPATH": extra_path} if extra_path else None,
         )
-        router = f"http://127.0.0.1:{router_port}"
+        targets[f"proxy {client}"] = f"http://127.0.0.1:{port}"
+
+    httpx.put(
+        f"{agent.url}/v1/agent/service/register",
+        json={
+            "Name": "llmgw-engine",
+            "ID": "bench-1",
+            "Address": "127.0.0.1",
+            "Port": stub_port,
+            "Tags": ["model=bench"],
+            "Meta": {"model": "bench", "def_hash": "b"},
+            "Check": {"HTTP": f"{stub}/v1/models", "Interval": "5s", "Status": "passing"},
+        },
+    ).raise_for_status()
+    httpx.put(f"{agent.url}/v1/kv/llmgw/config/models", content=MODELS).raise_for_status()
+    httpx.put(
+        f"{agent.url}/v1/kv/llmgw/state/parked", json={"parked": True, "last_error": "bench"}
+    ).raise_for_status()
+    httpx.put(
+        f"{agent.url}/v1/kv/llmgw/state/unplaceable",
+        json={"unplaceable": True, "placement_reason": UNPLACEABLE_REASON},
+    ).raise_for_status()
+    procs.start(
+        "router",
+        [
+            sys.executable,
+            "-c",
+            "from nomad_driver.cli import main; main()",
+            "router",
+            "--no-activation",
+            "--listen",
+            f"127.0.0.1:{router_port}",
+            "--log-level",
+            "warning",
+        ],
+        env={"CONSUL_HTTP_ADDR": agent.url},
+    )
+    router = f"http://127.0.0.1:{router_port}"
+    targets["router"] = router
+
+    litellm_version = ""
+    if args.litellm:
+        exe, litellm_version = litellm_venv()
+        port = free_port()
+        config = tmp / "litellm.yaml"
+        config.write_text(
+            "model_list:\n"
+            "  - model_name: bench\n"
+            "    litellm_params:\n"
+            "      model: openai/bench\n"
+            f"      api_base: {stub}/v1\n"
+            "      api_key: stub\n"
+        )
+        procs.start(
+            "litellm",
+            [
+                str(exe),
+                "--config",
+                str(config),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--num_workers",
+                "1",
+            ],
+            env={
+                # Offline: the cost map ships with the package, and no key is a deliberate choice.
+                "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+                "LITELLM_DANGEROUSLY_PERMIT_WEAK_OR_UNSET_MASTER_KEY": "true",
+                "LITELLM_LOG": "ERROR",
+            },
+        )
+        targets["litellm"] = f"http://127.0.0.1:{port}"
+
+    for name, url in targets.items():
+        try:
+            if name == "router":
+                wait_http(
+                    f"{url}/healthz", ok=lambda r: r.status_code == 200 and r.json()["ready_replicas"] == 1
+                )
+            elif name == "litellm":
+                wait_http(f"{url}/health/liveliness", timeout=180)
+            elif name != "stub":
+                wait_http(f"{url}/", ok=lambda r: r.status_code == 404)
+        except RuntimeError:
+            print(procs.tail(name.replace(" ", "-")), file=sys.stderr)
+            raise
+
+    activating = ""
+    if args.activation:
+        activating = start_activation(procs, tmp, agent.url)
+
+    stub2 = ""
+    if args.failover:
+        procs.start("stub2", [*me, "--serve", "stub", "--port", str(stub2_port)])
+        stub2 = f"http://127.0.0.1:{stub2_port}"
+        wait_http(f"{stub2}/v1/models")
+    return run_loop(measure(targets, agent.url, stub2, stub2_port, activating, litellm_version, args))
+
+
+def start_activation(procs: Procs, tmp: Path, consul: str) -> str:
+    """The Nomad stand-in with `huge`'s job, and a router with activation on; returns its URL."""
+    from nomad_driver.render import render_job
+    from nomad_driver.spec import parse_models
+
+    nomad_port, router_port = free_port(), free_port()
+    procs.start(
+        "nomad",
+        [
+            sys.executable,
+            "-m",
+            "devstack.nomad",
+            "--listen",
+            f"127.0.0.1:{nomad_port}",
+            "--nodes",
+            str(STANDIN_NODES),
+            "--data-dir",
+            str(tmp / "nomad"),
+            "--log-level",
+            "warning",
+        ],
+    )
+    nomad = f"http://127.0.0.1:{nomad_port}"
+    wait_http(f"{nomad}/v1/status/leader", ok=lambda r: r.status_code == 200)
+    job = render_job(parse_models(MODELS).models["huge"])
+    httpx.post(f"{nomad}/v1/jobs", json={"Job": job}, timeout=10).raise_for_status()
+    procs.start(
+        "router-activation",
+        [
+            sys.executable,
+            "-c",
+            "from nomad_driver.cli import main; main()",
+            "router",
+            "--listen",
+            f"127.0.0.1:{router_port}",
+            "--log-level",
+            "warning",
+        ],
+        env={"CONSUL_HTTP_ADDR": consul, "NOMAD_ADDR": nomad},
+    )
+    router = f"http://127.0.0.1:{router_port}"
+    try:
         wait_http(f"{router}/healthz", ok=lambda r: r.status_code == 200 and r.json()["ready_replicas"] == 1)
-        wait_http(f"http://127.0.0.1:{base_port}/", ok=lambda r: r.status_code == 404)
-        return run_loop(measure(stub, f"http://127.0.0.1:{base_port}", router, args))
-    finally:
-        for proc in procs:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        agent.stop()
+    except RuntimeError:
+        print(procs.tail("router-activation"), file=sys.stderr)
+        raise
+    return router
 
 
-async def measure(stub: str, baseline: str, router: str, args: argparse.Namespace) -> int:
+async def measure(
+    targets: dict[str, str],
+    consul: str,
+    stub2: str,
+    stub2_port: int,
+    activating: str,
+    litellm_version: str,
+    args: argparse.Namespace,
+) -> int:
     path = "/v1/chat/completions"
-    lat = {
-        name: await latency(url + path, REQUEST, args.requests)
-        for name, url in (("stub", stub), ("baseline", baseline), ("router", router))
-    }
-    first = {
-        name: await ttfb(url + path, args.requests // 4)
-        for name, url in (("stub", stub), ("baseline", baseline), ("router", router))
-    }
-    refusal = await latency(router + path, PARKED_REQUEST, args.requests // 4, expect=503)
-    rps = {
-        name: await throughput(url + path, args.clients, args.seconds)
-        for name, url in (("stub", stub), ("baseline", baseline), ("router", router))
-    }
+    lat = {name: await latency(url + path, REQUEST, args.requests) for name, url in targets.items()}
+    first = {name: await ttfb(url + path, args.requests // 4) for name, url in targets.items()}
+    await refuses(targets["router"] + path, PARKED_REQUEST, "model_parked")
+    await refuses(targets["router"] + path, UNPLACEABLE_REQUEST, "model_unplaceable")
+    parked = await latency(targets["router"] + path, PARKED_REQUEST, args.requests // 4, expect=503)
+    unplaceable = await latency(targets["router"] + path, UNPLACEABLE_REQUEST, args.requests // 4, expect=503)
+    if activating:
+        await refuses(activating + path, HUGE_REQUEST, "model_unplaceable")
+    # Each of these is a scale call and an evaluation on the stand-in, so fewer of them.
+    asked = (
+        await latency(activating + path, HUGE_REQUEST, args.requests // 8, warmup=5, expect=503)
+        if activating
+        else []
+    )
+    loaded = {name: await throughput(url + path, args.clients, args.seconds) for name, url in targets.items()}
+    rps = {name: value for name, (value, _) in loaded.items()}
+    moved = await failover(consul, targets["router"], stub2, stub2_port) if stub2 else None
 
     def ms(v: float) -> str:
-        return f"{v * 1000:7.3f}"
+        return f"{v * 1000:8.3f}"
 
-    print(f"{'target':10} {'p50 ms':>8} {'p99 ms':>8} {'ttfb p50':>9} {'req/s':>9}")
-    for name in ("stub", "baseline", "router"):
+    stub_p50, stub_p99 = statistics.median(lat["stub"]), pct(lat["stub"], 0.99)
+    print(
+        f"{'target':20} {'p50 ms':>8} {'p99 ms':>8} {'+p50 ms':>8} {'+p99 ms':>8} {'ttfb p50':>8} "
+        f"{'req/s':>8} {'router/this':>11}"
+    )
+    for name in targets:
+        p50, p99 = statistics.median(lat[name]), pct(lat[name], 0.99)
+        label = f"litellm {litellm_version}" if name == "litellm" else name
         print(
-            f"{name:10} {ms(statistics.median(lat[name]))} {ms(pct(lat[name], 0.99))} "
-            f"{ms(statistics.median(first[name])):>9} {rps[name]:9.0f}"
+            f"{label:20} {ms(p50)} {ms(p99)} {ms(p50 - stub_p50)} {ms(p99 - stub_p99)} "
+            f"{ms(statistics.median(first[name]))} {rps[name]:8.0f} {rps['router'] / rps[name]:10.2f}x"
         )
-    added_p50 = statistics.median(lat["router"]) - statistics.median(lat["stub"])
-    added_p99 = pct(lat["router"], 0.99) - pct(lat["stub"], 0.99)
-    base_p50 = statistics.median(lat["baseline"]) - statistics.median(lat["stub"])
+    added_p50 = statistics.median(lat["router"]) - stub_p50
+    added_p99 = pct(lat["router"], 0.99) - stub_p99
     ttfb_added = statistics.median(first["router"]) - statistics.median(first["stub"])
-    ratio = rps["router"] / rps["baseline"]
-    refusal_p99 = pct(refusal, 0.99)
+    ratio = rps["router"] / rps["proxy aiohttp"]
     checks = [
-        (
-            "router added latency, median",
-            f"{added_p50 * 1000:.3f} ms (baseline proxy {base_p50 * 1000:.3f} ms)",
-            added_p50 < 0.0005,
-        ),
+        ("router added latency, median", f"{added_p50 * 1000:.3f} ms", added_p50 < 0.0005),
         ("router added latency, p99", f"{added_p99 * 1000:.3f} ms", added_p99 < 0.002),
-        (f"req/s at {args.clients} clients vs baseline proxy", f"{ratio:.0%}", ratio >= 0.70),
+        (f"req/s at {args.clients} clients vs bare aiohttp proxy", f"{ratio:.0%}", ratio >= 0.70),
         ("streaming TTFB added, median", f"{ttfb_added * 1000:.3f} ms", ttfb_added < 0.001),
-        ("refusal p99", f"{refusal_p99 * 1000:.3f} ms", refusal_p99 < 0.005),
+        ("refusal p99, parked", f"{pct(parked, 0.99) * 1000:.3f} ms", pct(parked, 0.99) < 0.005),
+        (
+            "refusal p99, unplaceable",
+            f"{pct(unplaceable, 0.99) * 1000:.3f} ms",
+            pct(unplaceable, 0.99) < 0.005,
+        ),
     ]
+    if asked:
+        checks.append(
+            (
+                "refusal p99, unplaceable, asking the Nomad stand-in",
+                f"{pct(asked, 0.99) * 1000:.3f} ms (median {statistics.median(asked) * 1000:.3f} ms)",
+                pct(asked, 0.99) < 0.005,
+            )
+        )
+    if "litellm" in rps:
+        vs = rps["router"] / rps["litellm"]
+        checks.append(
+            (f"req/s at {args.clients} clients vs LiteLLM {litellm_version}", f"{vs:.1f}x", vs >= 10)
+        )
+    if moved is not None:
+        checks.append(
+            (
+                "critical replica's last new request, after its check was failed",
+                # Negative: nothing reached it once the call to fail the check was sent.
+                f"{moved.last_after_fail_s * 1000:+.1f} ms ({moved.before} requests reached it until Consul "
+                f"acknowledged, {moved.after} after; {moved.errors} errors)",
+                moved.before > 0 and moved.last_after_fail_s < 1.0 and moved.errors == 0,
+            )
+        )
+    for name, (_, failed) in loaded.items():
+        if failed:
+            print(f"  {name}: answers other than 200 under load (not counted): {failed}")
     print()
     for what, value, ok in checks:
         print(f"{'ok  ' if ok else 'MISS'} {what}: {value}")
