@@ -90,15 +90,23 @@ def render(
 @app.command("router")
 def router_command(
     listen: str = typer.Option(
-        "127.0.0.1:8080", "--listen", envvar="LLMGW_ROUTER_LISTEN", help="HOST:PORT to serve the OpenAI API on."
+        "127.0.0.1:8080",
+        "--listen",
+        envvar="LLMGW_ROUTER_LISTEN",
+        help="HOST:PORT to serve the OpenAI API on.",
     ),
     api_keys_file: Path | None = typer.Option(
         None, "--api-keys-file", help="Bearer tokens, one a line (also LLMGW_API_KEYS, comma-separated)."
     ),
-    tls_cert: Path | None = typer.Option(None, "--tls-cert", help="PEM certificate; serve HTTPS with --tls-key."),
+    tls_cert: Path | None = typer.Option(
+        None, "--tls-cert", help="PEM certificate; serve HTTPS with --tls-key."
+    ),
     tls_key: Path | None = typer.Option(None, "--tls-key", help="PEM private key for --tls-cert."),
     models_file: Path | None = typer.Option(
-        None, "--models", envvar="LLMGW_MODELS_FILE", help="Definitions to use while llmgw/config/models is not in Consul."
+        None,
+        "--models",
+        envvar="LLMGW_MODELS_FILE",
+        help="Definitions to use while llmgw/config/models is not in Consul.",
     ),
     max_body_mib: float = typer.Option(8.0, "--max-body-mib", help="Largest request body accepted."),
     first_byte_timeout: float = typer.Option(
@@ -130,9 +138,51 @@ def router_command(
         raise typer.Exit(2) from None
 
 
+@app.command("node-agent")
+def node_agent_command(
+    listen: str = typer.Option(
+        "127.0.0.1:4710", "--listen", envvar="LLMGW_NODE_AGENT_LISTEN", help="HOST:PORT for /metrics."
+    ),
+    engines_dir: Path = typer.Option(
+        Path("/opt/llmgw/engines"),
+        "--engines-dir",
+        envvar="LLMGW_ENGINES_DIR",
+        help="<dir>/<engine>/<version>/",
+    ),
+    models_dir: Path = typer.Option(
+        Path("/opt/llmgw/models"), "--models-dir", envvar="LLMGW_MODELS_DIR", help="<dir>/<model>/ weights"
+    ),
+    fabric: str = typer.Option("", "--fabric", envvar="LLMGW_FABRIC", help="Interconnect fabric name."),
+    gpu_class: str = typer.Option("", "--gpu-class", help="Override the GPU class (default: the GPU name)."),
+    node_id: str = typer.Option(
+        "", "--node-id", envvar="LLMGW_NODE_ID", help="Nomad node ID (default: the agent's own node)."
+    ),
+    interval: float = typer.Option(15.0, "--interval", help="Seconds between readings."),
+    log_level: str = typer.Option("info", "--log-level", help="debug, info, warning or error."),
+) -> None:
+    """Publish this node's GPUs, engines and cached weights as Nomad node metadata."""
+    from nomad_driver.logs import configure_logging
+    from nomad_driver.node_agent import NodeAgentConfig, serve
+
+    configure_logging(log_level)
+    config = NodeAgentConfig(
+        engines_dir=engines_dir,
+        models_dir=models_dir,
+        fabric=fabric,
+        gpu_class=gpu_class,
+        node_id=node_id,
+        interval_s=interval,
+    )
+    serve(config, listen)
+
+
 from nomad_driver.ctl import ctl_app  # noqa: E402  (a sub-app must exist when the CLI is built)
 
 app.add_typer(ctl_app, name="ctl")
+
+from nomad_driver.watcher_cli import register as _register_watcher_verbs  # noqa: E402
+
+_register_watcher_verbs(app, ctl_app)
 
 
 def main() -> None:

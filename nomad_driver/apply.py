@@ -1,0 +1,79 @@
+"""`llmgw apply MODELS.yaml`: validate, store the definitions in Consul, register the jobs.
+
+The file text goes to `llmgw/config/models` with check-and-set, so two operators applying at
+once cannot silently undo each other: the second is told the definitions moved under it. The
+watchers read that key (blocking) and take it from there; the jobs are also registered here so
+that a cluster with no watcher running still gets them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from nomad_driver.consul import Consul
+from nomad_driver.nomad import Nomad
+from nomad_driver.reconcile import job_def_hash, job_group
+from nomad_driver.render import render_job
+from nomad_driver.spec import ModelSet, parse_models
+from nomad_driver.state import CONFIG_MODELS_KEY
+
+
+class ApplyConflict(Exception):
+    """The definitions in Consul changed between reading and writing them."""
+
+
+@dataclass
+class ApplyResult:
+    models: ModelSet
+    registered: list[str] = field(default_factory=list)
+    unchanged: list[str] = field(default_factory=list)
+
+
+async def store_definitions(consul: Consul, text: str) -> bool:
+    """Write the text with cas; False when it was already there unchanged."""
+    _, entries = await consul.kv_get(CONFIG_MODELS_KEY)
+    index = entries[0].modify_index if entries else 0
+    if entries and entries[0].value == text.encode():
+        return False
+    if not await consul.kv_put(CONFIG_MODELS_KEY, text.encode(), cas=index):
+        raise ApplyConflict(
+            f"{CONFIG_MODELS_KEY} was changed by someone else while applying; run 'llmgw apply' again"
+        )
+    return True
+
+
+def register_jobs(nomad: Nomad, models: ModelSet) -> ApplyResult:
+    result = ApplyResult(models)
+    for name, model in sorted(models.models.items()):
+        current = nomad.get_job(model.job_id)
+        if current is not None and job_def_hash(current) == model.def_hash:
+            result.unchanged.append(name)
+            continue
+        job = render_job(model)
+        if current is not None:
+            # Keep the replicas it has (a router may have scaled it up, parking to 0);
+            # the watcher decides the count, apply only changes what runs.
+            _, count = job_group(current)
+            job["TaskGroups"][0]["Count"] = min(count, model.replicas_max)
+        nomad.register_job(job)
+        result.registered.append(name)
+    return result
+
+
+def apply_file(path: str | Path, *, consul: Consul | None = None, nomad: Nomad | None = None) -> ApplyResult:
+    """Raises SpecError (bad file), ApplyConflict, ConsulError or NomadError."""
+    text = Path(path).read_text(encoding="utf-8")
+    models = parse_models(text, str(path))
+
+    async def store() -> None:
+        client = consul or Consul()
+        try:
+            await store_definitions(client, text)
+        finally:
+            if consul is None:
+                await client.close()
+
+    asyncio.run(store())
+    return register_jobs(nomad or Nomad(), models)

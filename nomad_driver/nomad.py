@@ -1,0 +1,171 @@
+"""The Nomad calls llmgw makes, over python-nomad, configured the way Nomad's own CLI is.
+
+python-nomad's typed methods drop the `X-Nomad-Index` header and know nothing of scaling or
+blocking queries, so those go through its generic `request()`; everything else uses the typed
+calls. Every failure surfaces as `NomadUnavailable` (retry later: unreachable, timed out, 5xx,
+an answer that is not JSON) or `NomadError` (Nomad refused: 4xx), so callers can tell "Nomad is
+down" from "Nomad said no" and never park a model because their own call failed.
+
+Calls are synchronous (requests); the watcher runs them in threads. Each thread gets its own
+client, because a requests.Session is not meant to be shared across threads.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+import nomad as pynomad
+import requests
+from nomad.api import exceptions as nomad_exc
+
+from nomad_driver.blocking import next_index
+
+JOB_PREFIX = "llmgw-"
+
+
+class NomadError(Exception):
+    """Nomad answered and refused (4xx); the message is Nomad's own text."""
+
+    def __init__(self, message: str, status: int = 0) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class NomadUnavailable(NomadError):
+    """Nomad could not be reached, timed out, or failed on its side."""
+
+
+class Nomad:
+    def __init__(
+        self,
+        address: str | None = None,
+        *,
+        token: str | None = None,
+        namespace: str | None = None,
+        timeout: float = 10.0,
+    ) -> None:
+        self.address = (address or os.environ.get("NOMAD_ADDR") or "http://127.0.0.1:4646").rstrip("/")
+        if "://" not in self.address:
+            self.address = f"http://{self.address}"
+        self.token = token if token is not None else os.environ.get("NOMAD_TOKEN")
+        self.namespace = namespace or os.environ.get("NOMAD_NAMESPACE") or "default"
+        cacert = os.environ.get("NOMAD_CACERT")
+        self.verify: bool | str = cacert if cacert else self.address.startswith("https://")
+        cert, key = os.environ.get("NOMAD_CLIENT_CERT"), os.environ.get("NOMAD_CLIENT_KEY")
+        self.cert: tuple[str, ...] = (cert, key) if cert and key else ()
+        self.timeout = timeout
+        self._local = threading.local()
+
+    def client(self) -> pynomad.Nomad:
+        c: pynomad.Nomad | None = getattr(self._local, "client", None)
+        if c is None:
+            c = pynomad.Nomad(
+                address=self.address,
+                token=self.token,
+                namespace=self.namespace,
+                timeout=self.timeout,
+                verify=self.verify,
+                cert=self.cert,
+            )
+            self._local.client = c
+        return c
+
+    def _request(
+        self,
+        endpoint: str,
+        *path: str,
+        method: str = "get",
+        params: dict[str, Any] | None = None,
+        body: Any = None,
+        timeout: float | None = None,
+    ) -> requests.Response:
+        requester: Any = self.client()
+        for part in endpoint.split("."):  # "client.stream_logs" is a nested requester
+            requester = getattr(requester, part)
+        params = dict(params or {})
+        params.setdefault("namespace", self.namespace)
+        where = "/".join((endpoint, *path))
+        try:
+            resp: requests.Response = requester.request(
+                *path, method=method, params=params, json=body, timeout=timeout or self.timeout
+            )
+        except nomad_exc.BaseNomadException as exc:
+            resp_obj = getattr(exc, "nomad_resp", None)
+            status = getattr(resp_obj, "status_code", 0) or 0
+            text = str(getattr(resp_obj, "text", "") or resp_obj or exc).strip()[:300]
+            if isinstance(status, int) and 400 <= status < 500:
+                raise NomadError(
+                    f"nomad {method.upper()} /v1/{where}: HTTP {status}: {text}", status
+                ) from exc
+            raise NomadUnavailable(f"nomad {method.upper()} /v1/{where}: {text}", status) from exc
+        except (requests.RequestException, OSError) as exc:
+            raise NomadUnavailable(
+                f"nomad {method.upper()} /v1/{where}: {type(exc).__name__}: {exc}"
+            ) from exc
+        return resp
+
+    @staticmethod
+    def _json(resp: requests.Response, what: str) -> Any:
+        try:
+            return resp.json()
+        except ValueError as exc:
+            raise NomadUnavailable(f"nomad {what}: answer is not JSON: {resp.text[:200]!r}") from exc
+
+    def blocking_list(
+        self, collection: str, *, index: int = 0, wait_s: float = 60.0, params: dict[str, Any] | None = None
+    ) -> tuple[int, list[dict[str, Any]]]:
+        """`/v1/jobs`, `/v1/allocations` or `/v1/evaluations`, blocking until the index passes
+        `index` (or `wait_s`). The returned index follows Consul's and Nomad's reset rules."""
+        query = dict(params or {})
+        if index:
+            query["index"] = index
+            query["wait"] = f"{int(wait_s)}s"
+        # Nomad adds up to wait/16 of jitter; the client must outwait that.
+        timeout = self.timeout + (wait_s * 1.1 if index else 0)
+        resp = self._request(collection, params=query, timeout=timeout)
+        data = self._json(resp, collection)
+        if not isinstance(data, list):
+            raise NomadUnavailable(f"nomad {collection}: expected a list, got {type(data).__name__}")
+        return next_index(index, resp.headers.get("X-Nomad-Index")), [d for d in data if isinstance(d, dict)]
+
+    def llmgw_jobs(self, *, index: int = 0, wait_s: float = 60.0) -> tuple[int, list[dict[str, Any]]]:
+        return self.blocking_list("jobs", index=index, wait_s=wait_s, params={"prefix": JOB_PREFIX})
+
+    def get_job(self, job_id: str) -> dict[str, Any] | None:
+        try:
+            data = self._json(self._request("job", job_id), f"job {job_id}")
+        except NomadError as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return data if isinstance(data, dict) else None
+
+    def register_job(self, job: dict[str, Any]) -> dict[str, Any]:
+        resp = self._request("job", str(job["ID"]), method="post", body={"Job": job})
+        data = self._json(resp, f"register {job['ID']}")
+        return data if isinstance(data, dict) else {}
+
+    def scale(self, job_id: str, group: str, count: int, message: str) -> dict[str, Any]:
+        """Scale through the scale endpoint, so the reason shows in `nomad job status` and the
+        job's scaling events, not only in llmgw's logs."""
+        body = {
+            "Count": count,
+            "Target": {"Job": job_id, "Group": group},
+            "Message": message,
+            "Meta": {"source": "llmgw"},
+        }
+        resp = self._request("job", job_id, "scale", method="post", body=body)
+        data = self._json(resp, f"scale {job_id}")
+        return data if isinstance(data, dict) else {}
+
+    def job_evaluations(self, job_id: str) -> list[dict[str, Any]]:
+        data = self._json(self._request("job", job_id, "evaluations"), f"evaluations {job_id}")
+        return [e for e in data if isinstance(e, dict)] if isinstance(data, list) else []
+
+    def stderr_tail(self, alloc_id: str, task: str, nbytes: int = 4096) -> str:
+        """The last `nbytes` of a task's stderr: where an engine says why it died."""
+        params = {"task": task, "type": "stderr", "origin": "end", "offset": nbytes, "plain": "true"}
+        resp = self._request("client.stream_logs", alloc_id, params=params)
+        return resp.content[-nbytes:].decode("utf-8", errors="replace")

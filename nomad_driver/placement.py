@@ -1,0 +1,214 @@
+"""Reading Nomad's evaluations into an answer an operator can act on.
+
+Nomad already knows why a model fits nowhere: the failed evaluation's `FailedTGAllocs` carries
+the placement metrics, counted per reason, the same way Nomad's feasibility checkers recorded
+them. What it does not do is say it anywhere an operator looks, so a model that fitted on no
+node logged "no placement" for two days. This module turns those metrics into one line that
+names what was asked for and why each node said no, and decides from a job's evaluations
+whether the model is unplaceable right now.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+# Evaluations that say nothing about placement yet (pending) or were superseded (canceled).
+_UNDECIDED = {"pending", "canceled", "cancelled"}
+
+_ATTR = re.compile(r"^\$\{device\.attr\.([\w.-]+)\}$")
+
+
+@dataclass(frozen=True)
+class PlacementFailure:
+    """The newest evaluation of a job that could not place every replica."""
+
+    eval_id: str
+    reason: str
+
+
+def summarize_placement(failed_tg_allocs: dict[str, Any] | None, job: dict[str, Any] | None = None) -> str:
+    """One line per task group, joined with '; ', e.g.
+    `no node has 2 x nvidia/gpu with memory >= 80 GiB: 3 nodes filtered (missing devices),
+    2 exhausted (devices: no devices match request)`.
+
+    Never raises: a summary of garbage is still a summary, and the watcher must keep going.
+    """
+    if not isinstance(failed_tg_allocs, dict) or not failed_tg_allocs:
+        return "placement failed (Nomad gave no placement metrics)"
+    lines = []
+    for group in sorted(failed_tg_allocs, key=str):
+        metric = failed_tg_allocs[group]
+        if not isinstance(metric, dict):
+            metric = {}
+        want = _describe_request(job, str(group))
+        head = f"no node has {want}" if want else f"no node fits task group '{group}'"
+        lines.append(f"{head}: {_describe_metric(metric)}")
+    return "; ".join(lines)
+
+
+def latest_placement_failure(
+    evaluations: Sequence[Mapping[str, Any]], job: dict[str, Any] | None = None
+) -> PlacementFailure | None:
+    """The job's placement outcome from its evaluations, newest decided one first.
+
+    A blocked evaluation, or a finished one with `FailedTGAllocs`, means replicas are waiting
+    for room; a later evaluation that placed everything (Nomad re-runs the blocked one when a
+    node joins) means the model fits again, so the state clears as soon as it is placed.
+    """
+    decided = [
+        e
+        for e in evaluations
+        if isinstance(e, Mapping) and str(e.get("Status", "")).lower() not in _UNDECIDED
+    ]
+    if not decided:
+        return None
+    newest = max(decided, key=_eval_order)
+    failed = newest.get("FailedTGAllocs")
+    if not (isinstance(failed, dict) and failed):
+        if newest.get("Status") != "blocked":
+            return None
+        # A blocked eval copies its parent's metrics; one without them still blocks.
+        failed = _metrics_of_parent(newest, evaluations)
+    return PlacementFailure(eval_id=str(newest.get("ID", "")), reason=summarize_placement(failed, job))
+
+
+def _metrics_of_parent(
+    blocked: Mapping[str, Any], evaluations: Sequence[Mapping[str, Any]]
+) -> dict[str, Any] | None:
+    parent = blocked.get("PreviousEval")
+    for e in evaluations:
+        if isinstance(e, Mapping) and e.get("ID") == parent and isinstance(e.get("FailedTGAllocs"), dict):
+            failed: dict[str, Any] = e["FailedTGAllocs"]
+            return failed
+    return None
+
+
+def _eval_order(e: Mapping[str, Any]) -> tuple[int, int]:
+    def num(key: str) -> int:
+        try:
+            return int(e.get(key) or 0)
+        except (TypeError, ValueError):
+            return 0
+
+    return (num("CreateIndex"), num("ModifyIndex"))
+
+
+def _describe_metric(m: dict[str, Any]) -> str:
+    evaluated = _int(m.get("NodesEvaluated"))
+    filtered = _int(m.get("NodesFiltered"))
+    exhausted = _int(m.get("NodesExhausted"))
+    parts: list[str] = []
+    if evaluated == 0 and filtered == 0 and exhausted == 0:
+        available = m.get("NodesAvailable")
+        if isinstance(available, dict) and available and all(_int(v) == 0 for v in available.values()):
+            dcs = ", ".join(sorted(str(dc) for dc in available))
+            return f"no nodes are available in datacenter {dcs}"
+        pool = m.get("NodePool")
+        return f"no nodes were eligible for evaluation{f' in node pool {pool}' if pool else ''}"
+    if filtered:
+        why = _reasons(m.get("ConstraintFiltered")) or _reasons(m.get("ClassFiltered"), "class ")
+        parts.append(f"{_nodes(filtered)} filtered" + (f" ({why})" if why else ""))
+    if exhausted:
+        why = _reasons(m.get("DimensionExhausted"))
+        # "3 nodes filtered (...), 2 exhausted (...)": the noun once is enough.
+        count = str(exhausted) if parts else _nodes(exhausted)
+        parts.append(f"{count} exhausted" + (f" ({why})" if why else ""))
+    if not parts:
+        parts.append(f"{_nodes(evaluated)} evaluated, none had room")
+    quota = m.get("QuotaExhausted")
+    if isinstance(quota, list) and quota:
+        parts.append("quota limit hit (" + ", ".join(str(q) for q in quota) + ")")
+    return ", ".join(parts)
+
+
+def _reasons(counts: Any, prefix: str = "") -> str:
+    """`missing devices` alone when there is one reason; counted when several share the nodes."""
+    if not isinstance(counts, dict) or not counts:
+        return ""
+    items = sorted(((str(k), _int(v)) for k, v in counts.items()), key=lambda kv: (-kv[1], kv[0]))
+    if len(items) == 1:
+        return f"{prefix}{items[0][0]}"
+    return ", ".join(f"{n} {prefix}{k}" for k, n in items)
+
+
+def _nodes(n: int) -> str:
+    return f"{n} node{'s' if n != 1 else ''}"
+
+
+def _int(v: Any) -> int:
+    try:
+        return int(v or 0)
+    except (TypeError, ValueError):
+        return 0
+
+
+def _describe_request(job: dict[str, Any] | None, group: str) -> str:
+    """What the group asks for that a node could lack: GPUs first, since that is almost always
+    the answer on this cluster, then CPU and memory."""
+    if not isinstance(job, dict):
+        return ""
+    groups = job.get("TaskGroups")
+    if not isinstance(groups, list):
+        return ""
+    tg = next((g for g in groups if isinstance(g, dict) and g.get("Name") == group), None)
+    if tg is None:
+        return ""
+    wants: list[str] = []
+    for task in tg.get("Tasks") or []:
+        if not isinstance(task, dict):
+            continue
+        res = task.get("Resources")
+        if not isinstance(res, dict):
+            continue
+        for dev in res.get("Devices") or []:
+            if isinstance(dev, dict) and dev.get("Name"):
+                wants.append(_describe_device(dev))
+    return " and ".join(wants)
+
+
+def _describe_device(dev: dict[str, Any]) -> str:
+    count = _int(dev.get("Count")) or 1
+    text = f"{count} x {dev.get('Name')}"
+    conds = []
+    for c in dev.get("Constraints") or []:
+        if not isinstance(c, dict):
+            continue
+        left = str(c.get("LTarget", ""))
+        op = str(c.get("Operand", ""))
+        right = str(c.get("RTarget", ""))
+        attr = _ATTR.match(left)
+        if attr:
+            conds.append(f"{attr.group(1)} {op} {right}")
+        elif left == "${device.model}":
+            conds.append(f"model {'matching' if op == 'regexp' else op} {right}")
+        elif left:
+            conds.append(f"{left} {op} {right}")
+    if conds:
+        text += " with " + " and ".join(conds)
+    return text
+
+
+class PlacementWarnings:
+    """Says when to log a model's placement warning: when its reason changes, or every
+    `every_s` while it stays the same. Never on every pass, which is how one unplaceable model
+    logged "no placement" 250 times and drowned out everything else."""
+
+    def __init__(self, clock: Callable[[], float], every_s: float = 600.0) -> None:
+        self.clock = clock
+        self.every_s = every_s
+        self._last: dict[str, tuple[str, float]] = {}
+
+    def should_log(self, model: str, reason: str) -> bool:
+        now = self.clock()
+        last = self._last.get(model)
+        if last is not None and last[0] == reason and now - last[1] < self.every_s:
+            return False
+        self._last[model] = (reason, now)
+        return True
+
+    def clear(self, model: str) -> None:
+        """Placed: the next failure is news again."""
+        self._last.pop(model, None)

@@ -1,0 +1,268 @@
+"""What one model should have now, against what it has: a pure function of a snapshot.
+
+`reconcile` reads only what it is given and returns the next steps; the watcher applies them.
+Running it twice on the same snapshot asks for the same steps, and a step the watcher missed
+is asked for again on the next pass, so a lost event or a failed call heals itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from nomad_driver.parking import count_start_failures
+from nomad_driver.placement import latest_placement_failure
+from nomad_driver.spec import Model
+from nomad_driver.state import ModelState
+
+DEFAULT_MAX_START_FAILURES = 5
+HealthStatus = Literal["passing", "warning", "critical"]
+
+# Allocations that hold or will hold a replica; everything else is history.
+_LIVE_CLIENT = {"pending", "running"}
+
+
+@dataclass(frozen=True)
+class ModelView:
+    """Everything the watcher knows about one model at one moment."""
+
+    model: Model
+    job: Mapping[str, Any] | None = None
+    allocs: tuple[Mapping[str, Any], ...] = ()
+    evals: tuple[Mapping[str, Any], ...] = ()
+    ready: int = 0  # engine instances passing their Consul check
+    healthy_starts: frozenset[tuple[str, int]] = frozenset()
+    state: ModelState | None = None
+    state_index: int = 0  # the state key's ModifyIndex; 0 when it does not exist
+    state_problem: str = ""  # a malformed stored state, to report and replace
+    activity: float | None = None  # last request, Unix time, from the routers
+    scaled_at: float | None = None  # when the watcher first saw the job's current count
+    now: float = 0.0
+
+
+@dataclass(frozen=True)
+class RegisterJob:
+    model: str
+    count: int
+
+
+@dataclass(frozen=True)
+class Scale:
+    model: str
+    job_id: str
+    group: str
+    count: int
+    message: str
+
+
+@dataclass(frozen=True)
+class Park:
+    """Scale to 0 and write the parked state; the watcher first reads the failed replica's
+    stderr so that the stored error is the engine's own words."""
+
+    model: str
+    job_id: str
+    group: str
+    failures: int
+    alloc_id: str
+    task: str
+    event_error: str
+    state: ModelState  # to write with last_error filled in
+    cas: int
+
+
+@dataclass(frozen=True)
+class WriteState:
+    model: str
+    state: ModelState
+    cas: int
+
+
+Action = RegisterJob | Scale | Park | WriteState
+
+
+@dataclass(frozen=True)
+class Decision:
+    model: str
+    desired: int
+    ready: int
+    starting: int
+    state: ModelState
+    health: HealthStatus
+    health_output: str
+    actions: tuple[Action, ...] = field(default=())
+
+
+def job_group(job: Mapping[str, Any] | None) -> tuple[str, int]:
+    """The job's one task group and its count; ("", 0) for a job that is missing or odd."""
+    if not isinstance(job, Mapping):
+        return "", 0
+    groups = job.get("TaskGroups")
+    if not isinstance(groups, list) or not groups or not isinstance(groups[0], Mapping):
+        return "", 0
+    try:
+        count = int(groups[0].get("Count") or 0)
+    except (TypeError, ValueError):
+        count = 0
+    return str(groups[0].get("Name", "")), count
+
+
+def job_def_hash(job: Mapping[str, Any] | None) -> str:
+    if not isinstance(job, Mapping) or not isinstance(job.get("Meta"), Mapping):
+        return ""
+    return str(job["Meta"].get("llmgw_def_hash", ""))
+
+
+def failures_after(state: ModelState) -> int:
+    value = getattr(state, "failures_after_ns", 0)
+    return value if isinstance(value, int) else 0
+
+
+def cleared(state: ModelState, baseline_ns: int) -> ModelState:
+    """Unparked with the count at 0: failures up to `baseline_ns` are forgiven, because a retry
+    or a new definition is a fresh start, not the sixth attempt of the old one."""
+    return state.model_copy(
+        update={
+            "parked": False,
+            "consecutive_failures": 0,
+            "last_error": "",
+            "parked_def_hash": "",
+            "failures_after_ns": baseline_ns,
+        }
+    )
+
+
+def retried(view: ModelView) -> ModelState:
+    """The state `llmgw ctl retry` writes."""
+    baseline = count_start_failures(view.allocs, view.healthy_starts).newest_start_ns
+    return cleared(view.state or ModelState(), max(baseline, failures_after(view.state or ModelState())))
+
+
+def _same(a: ModelState, b: ModelState) -> bool:
+    return a.model_dump(exclude={"updated_at"}) == b.model_dump(exclude={"updated_at"})
+
+
+def desired_replicas(view: ModelView, count: int) -> int:
+    """Its minimum, or more while it is asked for: a request within idle_timeout keeps an
+    on-demand model at 1 and keeps the count a router scaled to; after that, back to the minimum."""
+    m = view.model
+    asked = view.activity is not None and view.now - view.activity < m.idle_timeout_s
+    # A router scales up before its request finishes and writes activity; the count it chose
+    # counts as asked-for from when the watcher first saw it, so it is not undone at once.
+    just_scaled = view.scaled_at is not None and view.now - view.scaled_at < m.idle_timeout_s
+    want = m.replicas_min
+    if asked:
+        want = max(want, 1)
+    if count > want and (asked or just_scaled):
+        want = count
+    return max(0, min(want, m.replicas_max))
+
+
+def reconcile(view: ModelView, max_start_failures: int = DEFAULT_MAX_START_FAILURES) -> Decision:
+    m = view.model
+    stored = view.state or ModelState()
+    state = stored
+    actions: list[Action] = []
+    group, count = job_group(view.job)
+
+    # A new source or profile, re-applied, is a fresh start for a parked model.
+    if state.parked and state.parked_def_hash and state.parked_def_hash != m.def_hash:
+        baseline = count_start_failures(view.allocs, view.healthy_starts).newest_start_ns
+        state = cleared(state, max(baseline, failures_after(state)))
+
+    failures = count_start_failures(view.allocs, view.healthy_starts, failures_after(state))
+    if not state.parked:
+        error = state.last_error
+        if failures.consecutive == 0:
+            error = ""
+        elif failures.consecutive != state.consecutive_failures and failures.last_failed is not None:
+            error = failures.last_failed.error
+        state = state.model_copy(update={"consecutive_failures": failures.consecutive, "last_error": error})
+
+    park_now = not state.parked and failures.consecutive >= max_start_failures
+    if park_now:
+        state = state.model_copy(
+            update={
+                "parked": True,
+                "parked_def_hash": m.def_hash,
+                "unplaceable": False,
+                "placement_reason": "",
+                "placement_eval": "",
+            }
+        )
+
+    desired = 0 if state.parked else desired_replicas(view, count)
+
+    job_hash = job_def_hash(view.job)
+    if view.job is None or job_hash != m.def_hash:
+        actions.append(RegisterJob(m.name, desired))
+    elif count != desired and not park_now and not view.job.get("Stop"):
+        if state.parked:
+            why = f"llmgw: {m.name} is parked; not placing it again until its definition changes or a retry"
+        elif count > desired:
+            why = f"llmgw: {m.name} idle for {int(m.idle_timeout_s)}s, scaling down to {desired}"
+        else:
+            why = f"llmgw: {m.name} should have {desired} replicas"
+        actions.append(Scale(m.name, m.job_id, group, desired, why))
+
+    # Placement: only while something is meant to run and the job is the current definition.
+    failure = None
+    if not state.parked and max(count, desired) > 0 and view.job is not None and job_hash == m.def_hash:
+        failure = latest_placement_failure(view.evals, dict(view.job))
+    state = state.model_copy(
+        update={
+            "unplaceable": failure is not None,
+            "placement_reason": failure.reason if failure else "",
+            "placement_eval": failure.eval_id if failure else "",
+        }
+    )
+
+    if park_now and view.job is not None:
+        # Park writes the state itself, after reading the engine's stderr for the real error.
+        last = failures.last_failed
+        actions.insert(
+            0,
+            Park(
+                m.name,
+                m.job_id,
+                group,
+                failures.consecutive,
+                last.alloc_id if last else "",
+                last.task if last else "",
+                last.error if last else "",
+                state,
+                view.state_index,
+            ),
+        )
+    elif view.state_problem or not _same(state, stored):
+        actions.append(WriteState(m.name, state, view.state_index))
+
+    live = sum(
+        1 for a in view.allocs if a.get("DesiredStatus") == "run" and a.get("ClientStatus") in _LIVE_CLIENT
+    )
+    starting = max(0, live - view.ready)
+    health, output = model_health(m.name, state, desired, view.ready, starting)
+    return Decision(m.name, desired, view.ready, starting, state, health, output, tuple(actions))
+
+
+def model_health(
+    model: str, state: ModelState, desired: int, ready: int, starting: int
+) -> tuple[HealthStatus, str]:
+    """The status and text of the model's entry in the Consul UI: why, in one line."""
+    if state.parked:
+        return "critical", (
+            f"parked after {state.consecutive_failures} consecutive start failures: "
+            f"{state.last_error or 'no error recorded'}; fix the source or profile, "
+            f"or run 'llmgw ctl retry {model}'"
+        )
+    if state.unplaceable:
+        return "critical", f"unplaceable: {state.placement_reason}"
+    if desired > 0 and ready == 0 and starting == 0:
+        return "critical", f"nothing ready: 0 of {desired} replicas"
+    if ready >= desired:
+        if desired == 0 and ready == 0:
+            return "passing", "on demand: no replica running, none asked for"
+        return "passing", f"{ready} of {desired} replicas ready"
+    note = f", {state.consecutive_failures} start failures in a row" if state.consecutive_failures else ""
+    return "warning", f"starting: {ready} of {desired} replicas ready, {starting} starting{note}"

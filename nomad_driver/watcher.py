@@ -1,0 +1,448 @@
+"""The watcher: snapshots in, `reconcile` per model, actions out (on the leader only).
+
+Every watcher, leader or not, runs the same passes over the same snapshots, so any of them can
+answer the admin API; only the leader's actions reach Nomad and Consul. A pass calls nothing
+itself: it reads the latest snapshots in memory, which is what keeps a thousand models under a
+second of CPU and an idle minute at a handful of long polls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_random_exponential
+
+from nomad_driver import parking
+from nomad_driver.consul import Consul, ConsulError, ConsulUnavailable, KVEntry
+from nomad_driver.health import Entry, HealthEntries
+from nomad_driver.leader import LeaderInfo, Leadership
+from nomad_driver.nomad import Nomad, NomadError, NomadUnavailable
+from nomad_driver.placement import PlacementWarnings
+from nomad_driver.reconcile import (
+    DEFAULT_MAX_START_FAILURES,
+    Action,
+    Decision,
+    ModelView,
+    Park,
+    RegisterJob,
+    Scale,
+    WriteState,
+    job_group,
+    reconcile,
+    retried,
+)
+from nomad_driver.render import SERVICE_NAME, render_job
+from nomad_driver.spec import Model, SpecError, parse_models
+from nomad_driver.state import (
+    ACTIVITY_PREFIX,
+    CONFIG_MODELS_KEY,
+    LEADER_KEY,
+    MalformedState,
+    ModelState,
+    parse_activity,
+    parse_state,
+    state_key,
+)
+from nomad_driver.watch import JobCache, Watch, engines_fetch, jobs_fetch, kv_fetch, nomad_list_fetch
+
+log = logging.getLogger("llmgw.watcher")
+
+_ALLOC_ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+
+
+class NotLeader(Exception):
+    def __init__(self, leader: LeaderInfo | None) -> None:
+        where = leader.describe() if leader else "no watcher leads right now"
+        super().__init__(f"this watcher does not lead; the leader is {where}")
+        self.leader = leader
+
+
+class UnknownModel(KeyError):
+    pass
+
+
+@dataclass(frozen=True)
+class WatcherConfig:
+    address: str = "127.0.0.1:4700"
+    max_start_failures: int = DEFAULT_MAX_START_FAILURES
+    wait_s: float = 60.0
+    leader_ttl_s: int = 10
+    lock_delay_s: float = 1.0
+    # Passes also run on this tick, for idle timeouts that expire with nothing changing.
+    tick_s: float = 5.0
+    min_pass_interval_s: float = 0.2
+
+
+def _passing(entry: Mapping[str, Any]) -> bool:
+    checks = entry.get("Checks")
+    return isinstance(checks, list) and all(
+        isinstance(c, dict) and c.get("Status") == "passing" for c in checks
+    )
+
+
+def _entry_model(entry: Mapping[str, Any]) -> str:
+    svc = entry.get("Service")
+    if not isinstance(svc, dict):
+        return ""
+    meta = svc.get("Meta")
+    if isinstance(meta, dict) and meta.get("model"):
+        return str(meta["model"])
+    for tag in svc.get("Tags") or []:
+        if isinstance(tag, str) and tag.startswith("model="):
+            return tag[len("model=") :]
+    return ""
+
+
+class Watcher:
+    def __init__(
+        self,
+        consul: Consul,
+        nomad: Nomad,
+        config: WatcherConfig | None = None,
+        *,
+        clock: Callable[[], float] = time.time,
+        ident: str | None = None,
+    ) -> None:
+        self.consul = consul
+        self.nomad = nomad
+        self.config = config or WatcherConfig()
+        self.clock = clock
+        self.leadership = Leadership(
+            consul,
+            address=self.config.address,
+            ident=ident,
+            ttl_s=self.config.leader_ttl_s,
+            lock_delay_s=self.config.lock_delay_s,
+            on_change=self._leader_changed,
+        )
+        self.health = HealthEntries(consul)
+        self.warnings = PlacementWarnings(clock)
+        self._wake = asyncio.Event()
+        w = self.config.wait_s
+        self.kv: Watch[dict[str, KVEntry]] = Watch("consul-kv", kv_fetch(consul, w), on_change=self.wake)
+        self.engines: Watch[tuple[dict[str, Any], ...]] = Watch(
+            "consul-engines", engines_fetch(consul, SERVICE_NAME, w), on_change=self.wake
+        )
+        self.jobs: Watch[Mapping[str, dict[str, Any]]] = Watch(
+            "nomad-jobs", jobs_fetch(nomad, w, JobCache()), on_change=self.wake
+        )
+        self.allocs: Watch[tuple[dict[str, Any], ...]] = Watch(
+            "nomad-allocations", nomad_list_fetch(nomad, "allocations", w), on_change=self.wake
+        )
+        self.evals: Watch[tuple[dict[str, Any], ...]] = Watch(
+            "nomad-evaluations", nomad_list_fetch(nomad, "evaluations", w), on_change=self.wake
+        )
+        self.models: dict[str, Model] = {}
+        self.definitions_problem = ""
+        self._models_index = -1
+        self.decisions: dict[str, Decision] = {}
+        self.views: dict[str, ModelView] = {}
+        self.passes = 0
+        self._healthy_starts: set[tuple[str, int]] = set()
+        self._scaled_at: dict[str, tuple[int, float]] = {}
+        # States this watcher wrote that the KV snapshot may not show yet: (ModifyIndex, state).
+        self._written: dict[str, tuple[int, ModelState]] = {}
+        self._malformed_reported: set[tuple[str, int]] = set()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._apply_lock = asyncio.Lock()
+
+    # Lifecycle
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def _leader_changed(self, leading: bool) -> None:
+        # A new leader reads the catalog before correcting it; a deposed one forgets its cache.
+        self.health.forget()
+        self._written.clear()
+        self.wake()
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        # Three Nomad long polls hold a thread each for their whole wait; leave room for the
+        # short calls (scale, register, logs) beside them.
+        loop.set_default_executor(ThreadPoolExecutor(max_workers=16, thread_name_prefix="llmgw-nomad"))
+        for coro in (
+            self.leadership.run(),
+            self.kv.run(),
+            self.engines.run(),
+            self.jobs.run(),
+            self.allocs.run(),
+            self.evals.run(),
+            self._loop(),
+        ):
+            self._tasks.append(asyncio.create_task(coro))
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+        await self.leadership.resign()
+
+    async def _loop(self) -> None:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout=self.config.tick_s)
+            self._wake.clear()
+            started = time.monotonic()
+            try:
+                await self.run_pass()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                # A bug in one pass must not end the watcher; the next pass starts clean.
+                log.exception("event=pass_failed")
+            # Routers write activity every few seconds per model, so on a big fleet something
+            # always changed; resting as long as the pass took keeps the watcher under half a
+            # core however busy the KV prefix is.
+            await asyncio.sleep(max(self.config.min_pass_interval_s, time.monotonic() - started))
+
+    # Reading snapshots
+
+    def _load_models(self, kv: Mapping[str, KVEntry]) -> None:
+        entry = kv.get(CONFIG_MODELS_KEY)
+        index = entry.modify_index if entry else 0
+        if index == self._models_index:
+            return
+        self._models_index = index
+        if entry is None:
+            if self.models:
+                log.warning(
+                    "event=definitions_missing key=%s keeping=%d", CONFIG_MODELS_KEY, len(self.models)
+                )
+            return
+        try:
+            parsed = parse_models(
+                entry.value.decode("utf-8", errors="replace"), f"consul:{CONFIG_MODELS_KEY}"
+            )
+        except SpecError as exc:
+            # Keep serving the last good definitions: a typo must not stop every model.
+            self.definitions_problem = "; ".join(exc.problems)
+            log.error("event=definitions_invalid key=%s problems=%r", CONFIG_MODELS_KEY, exc.problems)
+            return
+        self.definitions_problem = ""
+        self.models = dict(parsed.models)
+        log.info("event=definitions_loaded models=%d", len(self.models))
+
+    def _state_for(self, model: str, kv: Mapping[str, KVEntry]) -> tuple[ModelState | None, int, str]:
+        key = state_key(model)
+        entry = kv.get(key)
+        index = entry.modify_index if entry else 0
+        written = self._written.get(model)
+        if written is not None and written[0] > index:
+            return written[1], written[0], ""
+        if entry is None:
+            return None, 0, ""
+        try:
+            return parse_state(key, entry.value), index, ""
+        except MalformedState as exc:
+            if (key, index) not in self._malformed_reported:
+                self._malformed_reported.add((key, index))
+                log.error(
+                    "event=state_malformed model=%s key=%s error=%r action=replace", model, key, str(exc)
+                )
+            return None, index, str(exc)
+
+    def build_views(self) -> dict[str, ModelView]:
+        now = self.clock()
+        kv = self.kv.snapshot.data if self.kv.snapshot else {}
+        self._load_models(kv)
+        jobs = self.jobs.snapshot.data if self.jobs.snapshot else {}
+        allocs_by_job: dict[str, list[dict[str, Any]]] = {}
+        allocs_by_id: dict[str, dict[str, Any]] = {}
+        for a in self.allocs.snapshot.data if self.allocs.snapshot else ():
+            allocs_by_job.setdefault(str(a.get("JobID")), []).append(a)
+            allocs_by_id[str(a.get("ID"))] = a
+        evals_by_job: dict[str, list[dict[str, Any]]] = {}
+        for e in self.evals.snapshot.data if self.evals.snapshot else ():
+            evals_by_job.setdefault(str(e.get("JobID")), []).append(e)
+
+        ready: dict[str, int] = {}
+        for entry in self.engines.snapshot.data if self.engines.snapshot else ():
+            if not _passing(entry):
+                continue
+            engine_model = _entry_model(entry)
+            ready[engine_model] = ready.get(engine_model, 0) + 1
+            svc = entry.get("Service") or {}
+            found = _ALLOC_ID.search(str(svc.get("ID", "")))
+            alloc = allocs_by_id.get(found.group(0)) if found else None
+            if alloc is not None:
+                start = parking.current_start(alloc)
+                if start is not None:
+                    self._healthy_starts.add(start)
+        # Forget starts of allocations Nomad no longer reports.
+        self._healthy_starts = {s for s in self._healthy_starts if s[0] in allocs_by_id}
+        healthy = frozenset(self._healthy_starts)
+
+        views: dict[str, ModelView] = {}
+        for name, model in self.models.items():
+            job = jobs.get(model.job_id)
+            _, count = job_group(job)
+            seen = self._scaled_at.get(model.job_id)
+            if seen is None or seen[0] != count:
+                # First sight after a start counts as "just scaled", which only delays a
+                # scale-down by one idle timeout; never the other way round.
+                self._scaled_at[model.job_id] = seen = (count, now)
+            state, index, problem = self._state_for(name, kv)
+            activity_entry = kv.get(f"{ACTIVITY_PREFIX}{name}")
+            views[name] = ModelView(
+                model=model,
+                job=job,
+                allocs=tuple(allocs_by_job.get(model.job_id, ())),
+                evals=tuple(evals_by_job.get(model.job_id, ())),
+                ready=ready.get(name, 0),
+                healthy_starts=healthy,
+                state=state,
+                state_index=index,
+                state_problem=problem,
+                activity=parse_activity(activity_entry.value) if activity_entry else None,
+                scaled_at=seen[1],
+                now=now,
+            )
+        return views
+
+    def ready_to_act(self) -> bool:
+        """Act only on a complete picture: a watcher that has not yet read Nomad's allocations
+        would see no failures and no replicas, and register or scale on that."""
+        watches = (self.kv, self.engines, self.jobs, self.allocs, self.evals)
+        return all(w.snapshot is not None and w.ok for w in watches)
+
+    # The pass
+
+    async def run_pass(self) -> None:
+        views = self.build_views()
+        decisions = {name: reconcile(v, self.config.max_start_failures) for name, v in views.items()}
+        self.views, self.decisions = views, decisions
+        self.passes += 1
+        if not self.leadership.is_leader or not self.ready_to_act():
+            return
+        async with self._apply_lock:
+            for d in decisions.values():
+                self._log_placement(d)
+                for action in d.actions:
+                    if not self.leadership.is_leader:
+                        return
+                    await self._apply(self.models[d.model], action)
+            try:
+                await self.health.sync({n: Entry(d.health, d.health_output) for n, d in decisions.items()})
+            except ConsulError as exc:
+                self.health.forget()
+                log.warning("event=health_sync_failed error=%r", str(exc))
+
+    def _log_placement(self, d: Decision) -> None:
+        if d.state.unplaceable:
+            if self.warnings.should_log(d.model, d.state.placement_reason):
+                log.warning(
+                    "event=unplaceable model=%s eval=%s reason=%r",
+                    d.model,
+                    d.state.placement_eval,
+                    d.state.placement_reason,
+                )
+        else:
+            self.warnings.clear(d.model)
+
+    async def _apply(self, model: Model, action: Action) -> None:
+        try:
+            async for attempt in AsyncRetrying(
+                stop=stop_after_attempt(3),
+                wait=wait_random_exponential(multiplier=0.2, max=2.0),
+                retry=retry_if_exception_type((NomadUnavailable, ConsulUnavailable)),
+                reraise=True,
+            ):
+                with attempt:
+                    await self._apply_once(model, action)
+        except (NomadError, ConsulError) as exc:
+            # Our own call failed: nothing is concluded about the model; the next pass retries.
+            log.warning(
+                "event=action_failed model=%s action=%s error=%r", model.name, type(action).__name__, str(exc)
+            )
+
+    async def _apply_once(self, model: Model, action: Action) -> None:
+        if isinstance(action, RegisterJob):
+            job = render_job(model)
+            job["TaskGroups"][0]["Count"] = action.count
+            await asyncio.to_thread(self.nomad.register_job, job)
+            log.info("event=job_registered model=%s job=%s count=%d", model.name, model.job_id, action.count)
+        elif isinstance(action, Scale):
+            await asyncio.to_thread(
+                self.nomad.scale, action.job_id, action.group, action.count, action.message
+            )
+            log.info("event=scaled model=%s count=%d message=%r", model.name, action.count, action.message)
+        elif isinstance(action, Park):
+            await self._park(model, action)
+        elif isinstance(action, WriteState):
+            await self._write_state(model.name, action.state, action.cas)
+
+    async def _park(self, model: Model, action: Park) -> None:
+        stderr = ""
+        if action.alloc_id and action.task:
+            try:
+                stderr = await asyncio.to_thread(self.nomad.stderr_tail, action.alloc_id, action.task)
+            except NomadError as exc:
+                log.info(
+                    "event=stderr_unavailable model=%s alloc=%s error=%r",
+                    model.name,
+                    action.alloc_id,
+                    str(exc),
+                )
+        error = parking.telling_line(stderr) or action.event_error or "no error recorded"
+        message = (
+            f"llmgw: parked {model.name} after {action.failures} consecutive start failures: {error}; "
+            f"fix the source or profile, or run 'llmgw ctl retry {model.name}'"
+        )
+        # Stop it first: a replica placed while we write state would be a sixth start.
+        await asyncio.to_thread(self.nomad.scale, action.job_id, action.group, 0, message)
+        state = action.state.model_copy(update={"last_error": error})
+        await self._write_state(model.name, state, action.cas)
+        log.error(
+            "event=parked model=%s failures=%d last_error=%r",
+            model.name,
+            action.failures,
+            error,
+        )
+
+    async def _write_state(self, model: str, state: ModelState, cas: int) -> bool:
+        session = self.leadership.session
+        if not session or not self.leadership.is_leader:
+            return False
+        key = state_key(model)
+        result = await self.consul.fenced_put(
+            key, state.touched().to_kv(), cas=cas, session=session, lock_key=LEADER_KEY
+        )
+        if result.ok:
+            # Remember it until the KV snapshot catches up, so the next pass does not redo it.
+            self._written[model] = (result.indexes.get(key, cas + 1), state)
+            return True
+        if result.failed_session_check():
+            log.warning("event=fenced_write_refused model=%s reason=%r", model, result.errors)
+            self.leadership.is_leader = False  # stop acting now; the election loop catches up
+            self.leadership.session = ""
+        else:
+            log.info("event=state_conflict model=%s key=%s", model, key)
+        return False
+
+    # Admin operations
+
+    async def retry(self, model: str) -> ModelState:
+        """`llmgw ctl retry`: clear the count and unpark; the next pass restores replicas."""
+        if not self.leadership.is_leader:
+            raise NotLeader(self.leadership.leader)
+        views = self.build_views()
+        if model not in views:
+            raise UnknownModel(model)
+        view = views[model]
+        state = retried(view)
+        if not await self._write_state(model, state, view.state_index):
+            raise ConsulUnavailable(f"could not write {state_key(model)}; try again")
+        log.info("event=retried model=%s", model)
+        self.wake()
+        return state

@@ -1,0 +1,159 @@
+"""Leadership, fenced state writes and the Consul UI entries, against a real Consul."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+
+from nomad_driver.consul import Consul, ConsulUnavailable
+from nomad_driver.health import NODE, Entry, HealthEntries
+from nomad_driver.leader import Leadership
+from nomad_driver.state import LEADER_KEY, ModelState, parse_state, state_key
+
+pytestmark = pytest.mark.timeout(120)
+
+
+async def until(cond: Callable[[], bool | Awaitable[bool]], timeout: float, what: str) -> float:
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        result = cond()
+        if not isinstance(result, bool):
+            result = await result
+        if result:
+            return time.monotonic() - start
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+@pytest.fixture
+async def client(consul_url: str) -> AsyncIterator[Consul]:
+    c = Consul(consul_url)
+    yield c
+    await c.close()
+
+
+async def test_two_watchers_elect_exactly_one_leader_and_hand_over_on_resign(consul_url: str) -> None:
+    a_client, b_client = Consul(consul_url), Consul(consul_url)
+    a = Leadership(a_client, address="127.0.0.1:1", ident="a", ttl_s=10, lock_delay_s=0.5)
+    b = Leadership(b_client, address="127.0.0.1:2", ident="b", ttl_s=10, lock_delay_s=0.5)
+    tasks = [asyncio.create_task(a.run()), asyncio.create_task(b.run())]
+    try:
+        await until(lambda: a.is_leader or b.is_leader, 15, "a leader")
+        await asyncio.sleep(1.0)
+        assert a.is_leader != b.is_leader
+        leader, follower = (a, b) if a.is_leader else (b, a)
+        await until(
+            lambda: follower.leader is not None and follower.leader.id == leader.me.id,
+            5,
+            "follower sees leader",
+        )
+        assert follower.leader is not None and follower.leader.address == leader.me.address
+        await leader.resign()
+        took = await until(lambda: follower.is_leader, 15, "handover")
+        assert took < 10, f"handover after a clean resign took {took:.1f}s"
+        assert not leader.is_leader
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await a_client.close()
+        await b_client.close()
+
+
+async def test_a_destroyed_session_means_stepping_down_at_once(client: Consul) -> None:
+    changes: list[bool] = []
+    lead = Leadership(client, address="x", ident="solo", ttl_s=10, lock_delay_s=0.1, on_change=changes.append)
+    task = asyncio.create_task(lead.run())
+    try:
+        await until(lambda: lead.is_leader, 15, "leader")
+        # An operator (or Consul losing the session) invalidates it under the leader's feet.
+        await client.session_destroy(lead.session)
+        await until(lambda: not lead.is_leader, 6, "step down")
+        assert changes[:2] == [True, False]
+        await until(lambda: lead.is_leader, 15, "leading again with a new session")
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_fenced_write_refuses_a_deposed_leader_and_a_stale_index(client: Consul) -> None:
+    old = await client.session_create("old", ttl_s=10, lock_delay_s=0)
+    new = await client.session_create("new", ttl_s=10, lock_delay_s=0)
+    # An earlier test's lock delay may still hold the key for a moment.
+    await until(lambda: client.kv_put(LEADER_KEY, b"{}", acquire=old), 20, "lock")
+    key = state_key("m1")
+    first = ModelState(consecutive_failures=1).to_kv()
+    written = await client.fenced_put(key, first, cas=0, session=old, lock_key=LEADER_KEY)
+    assert written.ok
+    _, entries = await client.kv_get(key)
+    index = entries[0].modify_index
+    assert written.indexes[key] == index
+
+    # The lock moves to the new leader.
+    assert await client.kv_put(LEADER_KEY, b"", release=old)
+    await until(lambda: client.kv_put(LEADER_KEY, b"{}", acquire=new), 5, "lock for new")
+    deposed = await client.fenced_put(
+        key, ModelState(parked=True).to_kv(), cas=index, session=old, lock_key=LEADER_KEY
+    )
+    assert not deposed.ok and deposed.failed_session_check()
+
+    good = await client.fenced_put(
+        key, ModelState(consecutive_failures=2).to_kv(), cas=index, session=new, lock_key=LEADER_KEY
+    )
+    assert good.ok
+    stale = await client.fenced_put(
+        key, ModelState(consecutive_failures=9).to_kv(), cas=index, session=new, lock_key=LEADER_KEY
+    )
+    assert not stale.ok and not stale.failed_session_check()
+    _, entries = await client.kv_get(key)
+    assert parse_state(key, entries[0].value).consecutive_failures == 2
+
+
+async def test_blocking_kv_read_wakes_on_change_and_times_out_with_same_index(client: Consul) -> None:
+    await client.kv_put("llmgw/state/x", b"1")
+    index, _ = await client.kv_get("llmgw/", recurse=True)
+    started = time.monotonic()
+    same, _ = await client.kv_get("llmgw/", recurse=True, index=index, wait_s=1)
+    assert same == index and time.monotonic() - started >= 0.9
+
+    async def write_later() -> None:
+        await asyncio.sleep(0.3)
+        await client.kv_put("llmgw/state/x", b"2")
+
+    writer = asyncio.create_task(write_later())
+    newer, entries = await client.kv_get("llmgw/", recurse=True, index=index, wait_s=10)
+    await writer
+    assert newer > index and entries[0].value == b"2"
+
+
+async def test_unreachable_consul_raises_consul_unavailable() -> None:
+    c = Consul("http://127.0.0.1:1", timeout=1)
+    with pytest.raises(ConsulUnavailable):
+        await c.kv_get("llmgw/leader")
+    await c.close()
+
+
+async def test_health_entries_show_status_and_output_and_survive_a_new_leader(client: Consul) -> None:
+    first = HealthEntries(client)
+    await first.sync({"m1": Entry("critical", "parked: boom"), "m2": Entry("passing", "1 of 1 ready")})
+    _, m1 = await client.health_service("llmgw-model")
+    by_model = {e["Service"]["Meta"]["model"]: e for e in m1}
+    assert set(by_model) == {"m1", "m2"}
+    check = next(c for c in by_model["m1"]["Checks"] if c["ServiceID"] == "llmgw-model-m1")
+    assert (check["Status"], check["Output"]) == ("critical", "parked: boom")
+
+    # A new leader starts with no memory: it corrects, removes what is no longer defined, and
+    # writes nothing that is already right.
+    second = HealthEntries(client)
+    writes = await second.sync(
+        {"m1": Entry("passing", "1 of 1 ready"), "m2": Entry("passing", "1 of 1 ready")}
+    )
+    assert writes == 1
+    await second.sync({"m1": Entry("passing", "1 of 1 ready")})
+    _, entries = await client.health_service("llmgw-model")
+    assert [e["Service"]["ID"] for e in entries] == ["llmgw-model-m1"]
+    assert all(e["Node"]["Node"] == NODE for e in entries)
+    assert [c["Status"] for c in entries[0]["Checks"]] == ["passing"]

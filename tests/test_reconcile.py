@@ -1,0 +1,213 @@
+"""reconcile() on hand-built snapshots: what a model should have now and the next step."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nomad_driver.reconcile import (
+    ModelView,
+    Park,
+    RegisterJob,
+    Scale,
+    WriteState,
+    reconcile,
+    retried,
+)
+from nomad_driver.spec import parse_models
+from nomad_driver.state import ModelState
+
+MODELS = """
+profiles:
+  cpu:
+    engine: llama-cpp-python
+    engine_version: 0.3.36
+    gpus: 0
+models:
+  kev:
+    source: file:///tmp/kev.gguf
+    profile: cpu
+    replicas: {min: 1, max: 3}
+    idle_timeout: 10m
+  lazy:
+    source: file:///tmp/lazy.gguf
+    profile: cpu
+    replicas: {min: 0, max: 2}
+    idle_timeout: 10m
+"""
+SET = parse_models(MODELS, "test")
+KEV = SET.models["kev"]
+LAZY = SET.models["lazy"]
+NOW = 1_000_000.0
+
+
+def job(model: Any, count: int, def_hash: str | None = None) -> dict[str, Any]:
+    return {
+        "ID": model.job_id,
+        "Meta": {"llmgw_model": model.name, "llmgw_def_hash": def_hash or model.def_hash},
+        "TaskGroups": [{"Name": "engine", "Count": count, "Tasks": []}],
+    }
+
+
+def crashed(aid: str, t: int) -> dict[str, Any]:
+    events = [
+        {"Type": "Started", "Time": t},
+        {"Type": "Terminated", "Time": t + 1, "DisplayMessage": "Exit Code: 1"},
+    ]
+    return {
+        "ID": aid,
+        "ClientStatus": "failed",
+        "DesiredStatus": "run",
+        "TaskStates": {"engine": {"Events": events}},
+    }
+
+
+def running(aid: str, t: int) -> dict[str, Any]:
+    events = [{"Type": "Started", "Time": t}]
+    return {
+        "ID": aid,
+        "ClientStatus": "running",
+        "DesiredStatus": "run",
+        "TaskStates": {"engine": {"Events": events}},
+    }
+
+
+def view(model: Any = KEV, **kw: Any) -> ModelView:
+    kw.setdefault("job", job(model, model.replicas_min))
+    kw.setdefault("now", NOW)
+    return ModelView(model=model, **kw)
+
+
+def test_missing_job_is_registered_at_its_minimum() -> None:
+    d = reconcile(view(job=None))
+    assert RegisterJob("kev", 1) in d.actions
+    assert d.desired == 1
+
+
+def test_a_changed_definition_is_registered_again() -> None:
+    d = reconcile(view(job=job(KEV, 1, def_hash="old")))
+    assert RegisterJob("kev", 1) in d.actions
+
+
+def test_satisfied_model_needs_nothing_and_reads_passing() -> None:
+    d = reconcile(view(allocs=(running("a", 5),), ready=1, healthy_starts=frozenset({("a", 1)})))
+    assert d.actions == ()
+    assert (d.health, d.ready, d.starting) == ("passing", 1, 0)
+
+
+def test_four_failures_count_but_do_not_park() -> None:
+    allocs = tuple(crashed(f"a{i}", 10 + i * 10) for i in range(4))
+    d = reconcile(view(allocs=allocs))
+    assert not d.state.parked
+    assert d.state.consecutive_failures == 4
+    assert d.state.last_error == "Exit Code: 1"
+    assert any(isinstance(a, WriteState) for a in d.actions)
+    assert d.health == "critical"  # nothing ready, nothing starting
+
+
+def test_the_fifth_failure_parks_and_scales_to_zero() -> None:
+    allocs = tuple(crashed(f"a{i}", 10 + i * 10) for i in range(5))
+    d = reconcile(view(allocs=allocs, state_index=7))
+    park = [a for a in d.actions if isinstance(a, Park)]
+    assert len(park) == 1
+    assert (park[0].failures, park[0].alloc_id, park[0].cas) == (5, "a4", 7)
+    assert park[0].state.parked and park[0].state.parked_def_hash == KEV.def_hash
+    assert d.desired == 0
+    assert not any(isinstance(a, Scale | WriteState) for a in d.actions)
+    assert d.health == "critical" and "llmgw ctl retry kev" in d.health_output
+
+
+def test_max_start_failures_is_configurable() -> None:
+    allocs = tuple(crashed(f"a{i}", 10 + i * 10) for i in range(3))
+    assert any(isinstance(a, Park) for a in reconcile(view(allocs=allocs), max_start_failures=3).actions)
+
+
+def parked_state(def_hash: str = KEV.def_hash) -> ModelState:
+    return ModelState(parked=True, consecutive_failures=5, last_error="boom", parked_def_hash=def_hash)
+
+
+def test_a_parked_model_stays_at_zero_even_if_scaled_up() -> None:
+    allocs = tuple(crashed(f"a{i}", 10 + i * 10) for i in range(5))
+    d = reconcile(view(job=job(KEV, 1), allocs=allocs, state=parked_state(), state_index=3))
+    assert d.desired == 0
+    scale = [a for a in d.actions if isinstance(a, Scale)]
+    assert scale and scale[0].count == 0
+    assert not any(isinstance(a, Park | WriteState) for a in d.actions)
+
+
+def test_a_new_definition_unparks_and_forgives_old_failures() -> None:
+    allocs = tuple(crashed(f"a{i}", 10 + i * 10) for i in range(5))
+    d = reconcile(view(job=job(KEV, 0), allocs=allocs, state=parked_state("old-hash"), state_index=3))
+    assert not d.state.parked
+    assert d.state.consecutive_failures == 0
+    assert d.desired == 1
+    assert any(isinstance(a, WriteState) and a.cas == 3 for a in d.actions)
+    # The job itself is at the new definition already, so it is scaled back up.
+    assert Scale in {type(a) for a in d.actions}
+
+
+def test_retry_clears_the_count_and_the_next_pass_restores_replicas() -> None:
+    allocs = tuple(crashed(f"a{i}", 10 + i * 10) for i in range(5))
+    v = view(job=job(KEV, 0), allocs=allocs, state=parked_state())
+    state = retried(v)
+    assert not state.parked and state.consecutive_failures == 0
+    d = reconcile(view(job=job(KEV, 0), allocs=allocs, state=state))
+    assert d.desired == 1 and not d.state.parked
+    assert any(isinstance(a, Scale) and a.count == 1 for a in d.actions)
+    # One more failure after the retry is one, not six.
+    d2 = reconcile(view(job=job(KEV, 1), allocs=(*allocs, crashed("b", 200)), state=state))
+    assert d2.state.consecutive_failures == 1 and not d2.state.parked
+
+
+def test_recent_activity_keeps_an_on_demand_model_at_one_and_idle_scales_it_down() -> None:
+    d = reconcile(view(LAZY, job=job(LAZY, 1), activity=NOW - 60))
+    assert d.desired == 1 and not any(isinstance(a, Scale) for a in d.actions)
+    idle = reconcile(view(LAZY, job=job(LAZY, 1), activity=NOW - 601, scaled_at=NOW - 700))
+    assert idle.desired == 0
+    assert [a.count for a in idle.actions if isinstance(a, Scale)] == [0]
+
+
+def test_the_count_a_router_scaled_to_is_kept_while_asked_for() -> None:
+    d = reconcile(view(KEV, job=job(KEV, 3), activity=NOW - 5))
+    assert d.desired == 3 and not any(isinstance(a, Scale) for a in d.actions)
+    # Just scaled, activity not written yet: not undone at once.
+    fresh = reconcile(view(KEV, job=job(KEV, 2), activity=None, scaled_at=NOW - 1))
+    assert fresh.desired == 2
+    later = reconcile(view(KEV, job=job(KEV, 2), activity=None, scaled_at=NOW - 900))
+    assert later.desired == 1
+
+
+def _blocked() -> dict[str, Any]:
+    metric = {"NodesEvaluated": 2, "NodesFiltered": 2, "ConstraintFiltered": {"missing devices": 2}}
+    return {"ID": "ev1", "CreateIndex": 5, "Status": "blocked", "FailedTGAllocs": {"engine": metric}}
+
+
+def test_a_blocked_evaluation_makes_the_model_unplaceable_and_critical() -> None:
+    d = reconcile(view(evals=(_blocked(),)))
+    assert d.state.unplaceable and d.state.placement_eval == "ev1"
+    assert "2 nodes filtered (missing devices)" in d.state.placement_reason
+    assert d.health == "critical" and d.health_output.startswith("unplaceable: ")
+
+
+def test_placed_clears_unplaceable() -> None:
+    placed = {"ID": "ev2", "CreateIndex": 9, "Status": "complete", "FailedTGAllocs": None}
+    prior = ModelState(unplaceable=True, placement_reason="x", placement_eval="ev1")
+    d = reconcile(view(evals=(_blocked(), placed), state=prior, allocs=(running("a", 1),)))
+    assert not d.state.unplaceable
+    assert d.health == "warning"  # placed, still starting
+    assert any(isinstance(a, WriteState) for a in d.actions)
+
+
+def test_on_demand_model_at_zero_is_not_unplaceable_from_an_old_eval() -> None:
+    d = reconcile(view(LAZY, job=job(LAZY, 0), evals=(_blocked(),)))
+    assert not d.state.unplaceable and d.health == "passing"
+
+
+def test_malformed_state_is_replaced() -> None:
+    d = reconcile(view(state=None, state_index=12, state_problem="not JSON"))
+    writes = [a for a in d.actions if isinstance(a, WriteState)]
+    assert writes and writes[0].cas == 12
+
+
+def test_reconcile_twice_asks_for_the_same_steps() -> None:
+    v = view(allocs=tuple(crashed(f"a{i}", 10 + i * 10) for i in range(2)))
+    assert reconcile(v).actions == reconcile(v).actions

@@ -1,0 +1,155 @@
+"""`llmgw apply` against a real Consul and the Nomad stand-in, and `llmgw ctl retry` against a
+watcher's admin API."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from devstack.ports import free_port
+from nomad_driver.admin import create_app
+from nomad_driver.apply import apply_file, store_definitions
+from nomad_driver.cli import app
+from nomad_driver.consul import Consul
+from nomad_driver.nomad import Nomad
+from nomad_driver.state import CONFIG_MODELS_KEY, ModelState, state_key
+from nomad_driver.watcher import Watcher, WatcherConfig
+
+pytestmark = pytest.mark.timeout(120)
+
+TEXT = """
+profiles:
+  cpu:
+    engine: llama-cpp-python
+    engine_version: 0.3.36
+    gpus: 0
+    cpu_mhz: 500
+    memory_mib: 512
+models:
+  a:
+    source: file:///tmp/a.gguf
+    profile: cpu
+    replicas: {min: 0, max: 2}
+"""
+
+
+def test_apply_stores_the_definitions_and_registers_jobs_once(
+    consul_url: str, start_standin: Callable[..., Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    standin = start_standin(consul=False)
+    monkeypatch.setenv("CONSUL_HTTP_ADDR", consul_url)
+    monkeypatch.setenv("NOMAD_ADDR", standin.url)
+    path = tmp_path / "models.yaml"
+    path.write_text(TEXT)
+    runner = CliRunner()
+    first = runner.invoke(app, ["apply", str(path)])
+    assert first.exit_code == 0, first.output
+    assert "1 registered" in first.output
+    nomad = Nomad(standin.url)
+    job = nomad.get_job("llmgw-a")
+    assert job is not None and job["Meta"]["llmgw_model"] == "a"
+
+    again = runner.invoke(app, ["apply", str(path)])
+    assert again.exit_code == 0 and "1 unchanged" in again.output
+
+    # A router scaled it up; a new source re-registers it and keeps that count.
+    nomad.scale("llmgw-a", "engine", 2, "test: a router activated it")
+    path.write_text(TEXT.replace("/tmp/a.gguf", "/tmp/a2.gguf"))
+    result = apply_file(path)
+    assert result.registered == ["a"]
+    job = nomad.get_job("llmgw-a")
+    assert job is not None and job["TaskGroups"][0]["Count"] == 2
+    assert "a2.gguf" in job["Meta"]["llmgw_source"]
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(TEXT.replace("profile: cpu", "profile: gpu9"))
+    refused = runner.invoke(app, ["apply", str(bad)])
+    assert refused.exit_code == 2
+    assert "gpu9" in refused.output
+
+
+async def test_apply_writes_the_definitions_only_when_they_changed(consul_url: str) -> None:
+    consul = Consul(consul_url)
+    try:
+        assert await store_definitions(consul, TEXT)
+        _, entries = await consul.kv_get(CONFIG_MODELS_KEY)
+        first = entries[0].modify_index
+        assert not await store_definitions(consul, TEXT)
+        _, entries = await consul.kv_get(CONFIG_MODELS_KEY)
+        assert entries[0].modify_index == first
+        assert await store_definitions(consul, TEXT + "# changed\n")
+    finally:
+        await consul.close()
+
+
+async def test_ctl_retry_on_a_follower_names_the_leader_and_on_the_leader_unparks(consul_url: str) -> None:
+    import uvicorn
+
+    consul = Consul(consul_url)
+    await consul.kv_put(CONFIG_MODELS_KEY, TEXT)
+    await consul.kv_put(state_key("a"), ModelState(parked=True, consecutive_failures=5).to_kv())
+    watchers, servers, tasks = [], [], []
+    for ident in ("one", "two"):
+        port = free_port()
+        w = Watcher(
+            Consul(consul_url),
+            Nomad("http://127.0.0.1:1", timeout=1),
+            WatcherConfig(address=f"http://127.0.0.1:{port}", wait_s=5, lock_delay_s=0.5, tick_s=0.5),
+            ident=ident,
+        )
+        await w.start()
+        server = uvicorn.Server(
+            uvicorn.Config(create_app(w), host="127.0.0.1", port=port, log_level="warning")
+        )
+        tasks.append(asyncio.create_task(server.serve()))
+        watchers.append(w)
+        servers.append(server)
+    try:
+        for _ in range(200):
+            if any(w.leadership.is_leader for w in watchers) and all(w.leadership.leader for w in watchers):
+                break
+            await asyncio.sleep(0.1)
+        leader = next(w for w in watchers if w.leadership.is_leader)
+        follower = next(w for w in watchers if not w.leadership.is_leader)
+
+        async def ctl(model: str, w: Watcher) -> tuple[int, str]:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "nomad_driver.cli",
+                "ctl",
+                "retry",
+                model,
+                "--addr",
+                w.config.address,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT,
+            )
+            out, _ = await proc.communicate()
+            return proc.returncode or 0, out.decode()
+
+        code, output = await ctl("a", follower)
+        assert code == 5
+        assert leader.config.address in output
+        code, output = await ctl("a", leader)
+        assert code == 0, output
+        assert "retried" in output
+        code, _ = await ctl("nope", leader)
+        assert code == 4
+    finally:
+        for s in servers:
+            s.should_exit = True
+        for t in tasks:
+            with contextlib.suppress(Exception):
+                await t
+        for w in watchers:
+            await w.stop()
+            await w.consul.close()
+        await consul.close()

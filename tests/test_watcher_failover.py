@@ -1,0 +1,147 @@
+"""Two watcher processes: SIGKILL the leader and the other takes over within the session's TTL
+(Consul reaps up to twice it) plus the lock delay, without losing or rewriting state and without
+duplicate entries in the Consul UI."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import consul as pyconsul
+import pytest
+import requests
+
+from devstack.ports import free_port
+from nomad_driver.render import render_job
+from nomad_driver.spec import parse_models
+from nomad_driver.state import CONFIG_MODELS_KEY, parse_state, state_key
+
+pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
+
+TTL_S = 10
+MODELS = """
+profiles:
+  cpu:
+    engine: llama-cpp-python
+    engine_version: 0.3.36
+    gpus: 0
+    cpu_mhz: 500
+    memory_mib: 512
+models:
+  crash:
+    source: file:///tmp/crash.gguf
+    profile: cpu
+    replicas: {min: 1, max: 1}
+  idle:
+    source: file:///tmp/idle.gguf
+    profile: cpu
+    replicas: {min: 0, max: 1}
+"""
+
+
+def wait_for(cond: Callable[[], Any], timeout: float, what: str) -> Any:
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        try:
+            result = cond()
+        except requests.RequestException:
+            result = None
+        if result:
+            return result
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+@pytest.fixture
+def watchers(consul_url: str, tmp_path: Path, start_standin: Callable[..., Any]) -> Iterator[list[Any]]:
+    standin = start_standin(clock_speed=20.0)
+    procs: list[tuple[subprocess.Popen[bytes], str]] = []
+    env = dict(os.environ, CONSUL_HTTP_ADDR=consul_url, NOMAD_ADDR=standin.url)
+    env.pop("LLMGW_ADMIN_TOKEN", None)
+    model = parse_models(MODELS).models["crash"]
+    job = render_job(model)
+    task = job["TaskGroups"][0]["Tasks"][0]
+    task.update(Driver="mock_driver", Config={"run_for": "1s", "exit_code": 1})
+    task.pop("Artifacts", None)
+    pyconsul.Consul(host="127.0.0.1", port=int(consul_url.rsplit(":", 1)[1])).kv.put(
+        CONFIG_MODELS_KEY, MODELS
+    )
+    requests.post(f"{standin.url}/v1/job/{job['ID']}", json={"Job": job}, timeout=10).raise_for_status()
+    for i in range(2):
+        port = free_port()
+        log = (tmp_path / f"watcher-{i}.log").open("wb")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "nomad_driver.cli", "watcher", "--listen", f"127.0.0.1:{port}"],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        procs.append((proc, f"http://127.0.0.1:{port}"))
+    try:
+        yield procs
+    finally:
+        for proc, _ in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(15)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(5)
+
+
+def leader_of(procs: list[Any]) -> int | None:
+    for i, (proc, url) in enumerate(procs):
+        if proc.poll() is None and requests.get(f"{url}/healthz", timeout=2).json().get("leader"):
+            return i
+    return None
+
+
+def test_killing_the_leader_hands_over_without_losing_or_rewriting_state(
+    watchers: list[Any], consul: pyconsul.Consul
+) -> None:
+    wait_for(lambda: leader_of(watchers) is not None, 30, "a leader")
+    first = leader_of(watchers)
+    assert first is not None
+
+    def parked() -> Any:
+        _, entry = consul.kv.get(state_key("crash"))
+        return entry if entry and parse_state("k", entry["Value"]).parked else None
+
+    entry = wait_for(parked, 120, "crash parked")
+    time.sleep(2)  # let the leader finish its pass (health entries)
+    _, entry = consul.kv.get(state_key("crash"))
+    index_before = entry["ModifyIndex"]
+
+    proc, _ = watchers[first]
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(5)
+    killed_at = time.monotonic()
+    other = 1 - first
+    wait_for(lambda: leader_of(watchers) == other, 2 * TTL_S + 15, "the other watcher to lead")
+    took = time.monotonic() - killed_at
+    assert took <= 2 * TTL_S + 5, f"handover took {took:.1f}s"
+
+    # The new leader agrees with what is stored: nothing rewritten, nothing lost.
+    url = watchers[other][1]
+    wait_for(lambda: requests.get(f"{url}/v1/admin/models/crash", timeout=2).json()["parked"], 10, "new view")
+    time.sleep(3)
+    _, entry = consul.kv.get(state_key("crash"))
+    assert entry["ModifyIndex"] == index_before
+    assert parse_state("k", entry["Value"]).parked
+
+    # One entry per model in the Consul UI, none duplicated, the parked one critical.
+    _, services = consul.health.service("llmgw-model")
+    ids = sorted(s["Service"]["ID"] for s in services)
+    assert ids == ["llmgw-model-crash", "llmgw-model-idle"]
+    status = {s["Service"]["ID"]: s["Checks"][0]["Status"] for s in services}
+    assert status == {"llmgw-model-crash": "critical", "llmgw-model-idle": "passing"}
+    metrics = requests.get(f"{url}/metrics", timeout=2).text
+    assert "llmgw_leader 1.0" in metrics
+    assert 'llmgw_model_parked{model="crash"} 1.0' in metrics

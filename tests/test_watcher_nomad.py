@@ -1,0 +1,319 @@
+"""The watcher against the Nomad stand-in and a real Consul: parking, unparking, retry and
+unplaceable models, end to end through Nomad's HTTP API."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from nomad_driver.consul import Consul
+from nomad_driver.nomad import Nomad
+from nomad_driver.render import render_job
+from nomad_driver.spec import Model, parse_models
+from nomad_driver.state import CONFIG_MODELS_KEY, ModelState, parse_state, state_key
+from nomad_driver.watcher import Watcher, WatcherConfig
+
+pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
+
+PROFILES = """
+profiles:
+  cpu:
+    engine: llama-cpp-python
+    engine_version: 0.3.36
+    gpus: 0
+    cpu_mhz: 500
+    memory_mib: 512
+    context: 256
+  huge:
+    engine: llama-cpp-python
+    engine_version: 0.3.36
+    gpus: 2
+    gpu_memory_mib: 81920
+    cpu_mhz: 500
+    memory_mib: 512
+"""
+
+
+def models_text(**models: tuple[str, str, int]) -> str:
+    lines = [PROFILES, "models:"]
+    for name, (source, profile, minimum) in models.items():
+        lines += [
+            f"  {name}:",
+            f"    source: {source}",
+            f"    profile: {profile}",
+            f"    replicas: {{min: {minimum}, max: 2}}",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+async def until(cond: Callable[[], Any], timeout: float, what: str, every: float = 0.1) -> Any:
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        result = cond()
+        if isinstance(result, Awaitable):
+            result = await result
+        if result:
+            return result
+        await asyncio.sleep(every)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def mock_job(model: Model, count: int, **config: Any) -> dict[str, Any]:
+    """The rendered job, with its engine swapped for Nomad's mock driver."""
+    job = render_job(model)
+    task = job["TaskGroups"][0]["Tasks"][0]
+    task["Driver"] = "mock_driver"
+    task["Config"] = config
+    task.pop("Artifacts", None)
+    job["TaskGroups"][0]["Count"] = count
+    return job
+
+
+def starts(nomad: Nomad, job_id: str) -> tuple[int, int]:
+    """(allocations, Started events) of a job, as Nomad reports them."""
+    allocs = nomad._json(nomad._request("job", job_id, "allocations", params={"all": "true"}), "allocs")
+    started = 0
+    for a in allocs:
+        for state in (a.get("TaskStates") or {}).values():
+            started += sum(1 for e in state.get("Events") or [] if e.get("Type") == "Started")
+            started += sum(1 for e in state.get("Events") or [] if e.get("Type") == "Driver Failure")
+    return len(allocs), started
+
+
+def terminated(nomad: Nomad, job_id: str) -> int:
+    allocs = nomad._json(nomad._request("job", job_id, "allocations", params={"all": "true"}), "allocs")
+    return sum(
+        1
+        for a in allocs
+        for state in (a.get("TaskStates") or {}).values()
+        for e in state.get("Events") or []
+        if e.get("Type") == "Terminated"
+    )
+
+
+async def read_state(consul: Consul, model: str) -> ModelState | None:
+    _, entries = await consul.kv_get(state_key(model))
+    return parse_state("k", entries[0].value) if entries else None
+
+
+class World:
+    def __init__(self, consul: Consul, nomad: Nomad, watcher: Watcher, standin: Any) -> None:
+        self.consul, self.nomad, self.watcher, self.standin = consul, nomad, watcher, standin
+
+    async def state(self, model: str) -> ModelState | None:
+        return await read_state(self.consul, model)
+
+    async def parked(self, model: str) -> ModelState | None:
+        s = await self.state(model)
+        return s if s is not None and s.parked else None
+
+
+@pytest.fixture
+async def world_factory(
+    consul_url: str, start_standin: Callable[..., Any]
+) -> AsyncIterator[Callable[..., Awaitable[World]]]:
+    made: list[World] = []
+
+    async def make(text: str, nodes: Any = None, clock_speed: float = 20.0) -> World:
+        standin = start_standin(clock_speed=clock_speed, **({"nodes": nodes} if nodes is not None else {}))
+        consul = Consul(consul_url)
+        await consul.kv_put(CONFIG_MODELS_KEY, text)
+        nomad = Nomad(standin.url)
+        config = WatcherConfig(wait_s=10, lock_delay_s=0.5, tick_s=0.5)
+        watcher = Watcher(Consul(consul_url), nomad, config, ident="w1")
+        world = World(consul, nomad, watcher, standin)
+        made.append(world)
+        return world
+
+    try:
+        yield make
+    finally:
+        for w in made:
+            await w.watcher.stop()
+            await w.watcher.consul.close()
+            await w.consul.close()
+
+
+async def test_a_model_that_exits_1_is_parked_after_exactly_five_start_failures(
+    world_factory: Callable[..., Awaitable[World]],
+) -> None:
+    text = models_text(crash=("file:///tmp/crash.gguf", "cpu", 1))
+    model = parse_models(text).models["crash"]
+    world = await world_factory(text)
+    world.nomad.register_job(mock_job(model, 1, run_for="1s", exit_code=1))
+    await world.watcher.start()
+
+    # When the fifth failure happened, as seen from outside, against when the state said parked.
+    probe = Nomad(world.nomad.address)
+    fifth = await until(lambda: terminated(probe, model.job_id) >= 5, 90, "five failures", every=0.05)
+    fifth_at = time.monotonic()
+    state = await until(lambda: world.parked("crash"), 30, "crash parked", every=0.05)
+    took = time.monotonic() - fifth_at
+    assert fifth and took < 4.0, f"parked {took:.2f}s after the fifth failure (target 2 s)"
+    assert state.consecutive_failures == 5
+    assert state.parked_def_hash == model.def_hash
+    assert "Exit Code: 1" in state.last_error
+    allocs, started = starts(world.nomad, model.job_id)
+    assert started == 5, f"{started} starts in {allocs} allocations"
+
+    # Parked means no more attempts: watched for 4 s (80 s of the stand-in's clock).
+    await asyncio.sleep(4)
+    assert starts(world.nomad, model.job_id) == (allocs, started)
+    job = world.nomad.get_job(model.job_id)
+    assert job is not None and job["TaskGroups"][0]["Count"] == 0
+    scale = world.nomad._json(world.nomad._request("job", model.job_id, "scale"), "scale")
+    messages = [e.get("Message", "") for e in scale["TaskGroups"]["engine"]["Events"] or []]
+    assert any("parked crash after 5 consecutive start failures" in m for m in messages), messages
+    d = world.watcher.decisions["crash"]
+    assert d.health == "critical" and "llmgw ctl retry crash" in d.health_output
+
+    # Retry restores its replica and clears the count; the next failure is the first again.
+    await world.watcher.retry("crash")
+    await until(
+        lambda: (world.nomad.get_job(model.job_id) or {})["TaskGroups"][0]["Count"] == 1, 20, "restored"
+    )
+    after = await world.state("crash")
+    assert after is not None and not after.parked
+    await until(lambda: starts(world.nomad, model.job_id)[1] > started, 30, "a new start after retry")
+
+
+def engines_dir(tmp_path: Path) -> Path:
+    """`<dir>/llama-cpp-python/0.3.36/bin/python` as a node expects it: the version directory is
+    this virtualenv itself, since a symlink to its python alone would lose the venv (Python finds
+    pyvenv.cfg next to the path it was started by) and with it llama_cpp."""
+    root = tmp_path / "engines"
+    (root / "llama-cpp-python").mkdir(parents=True)
+    os.symlink(sys.prefix, root / "llama-cpp-python" / "0.3.36")
+    return root
+
+
+def node(name: str, engines: Path, gpus: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    return {
+        "name": name,
+        "datacenter": "dc1",
+        "node_class": "cpu",
+        "cpu_mhz": 16000,
+        "cpu_cores": 8,
+        "memory_mib": 65536,
+        "disk_mb": 100000,
+        "attributes": {"driver.raw_exec": "1", "driver.mock_driver": "1"},
+        "meta": {"llmgw_engines_dir": str(engines), "llmgw_engine_llama_cpp_python": "0.3.36"},
+        "gpus": gpus or [],
+    }
+
+
+async def test_an_unknown_architecture_is_parked_with_the_engines_own_error_and_a_new_source_unparks(
+    world_factory: Callable[..., Awaitable[World]], make_gguf: Any, tmp_path: Path
+) -> None:
+    kev = make_gguf(architecture="kev", name="kev")
+    text = models_text(kev=(f"file://{kev}", "cpu", 1))
+    engines = engines_dir(tmp_path)
+    world = await world_factory(text, nodes=[node("cpu-0", engines)], clock_speed=20.0)
+    await world.watcher.start()  # registers the job itself: it is not in Nomad yet
+
+    state = await until(lambda: world.parked("kev"), 150, "kev parked", every=0.3)
+    assert "unknown model architecture: 'kev'" in state.last_error
+    assert state.consecutive_failures == 5
+
+    # A new source is a new definition: the model is unparked and placed again.
+    good = make_gguf(architecture="llama", name="good")
+    new_text = models_text(kev=(f"file://{good}", "cpu", 1))
+    await world.consul.kv_put(CONFIG_MODELS_KEY, new_text)
+    new_hash = parse_models(new_text).models["kev"].def_hash
+
+    def placed_again() -> bool:
+        job = world.nomad.get_job("llmgw-kev") or {}
+        return (job.get("Meta") or {}).get("llmgw_def_hash") == new_hash and job["TaskGroups"][0][
+            "Count"
+        ] == 1
+
+    await until(placed_again, 30, "re-registered with the new definition")
+    after = await until(lambda: _unparked(world), 30, "unparked state")
+    assert after.consecutive_failures == 0
+    # And this time the engine loads: a ready replica, the model satisfied.
+    await until(lambda: world.watcher.decisions["kev"].ready == 1, 90, "a ready replica", every=0.3)
+    assert world.watcher.decisions["kev"].health == "passing"
+
+
+async def _unparked(world: World) -> ModelState | None:
+    s = await world.state("kev")
+    return s if s is not None and not s.parked else None
+
+
+async def test_a_model_too_big_for_any_node_is_unplaceable_until_a_node_fits(
+    world_factory: Callable[..., Awaitable[World]], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="llmgw.watcher")
+    text = models_text(big=("file:///tmp/big.gguf", "huge", 1))
+    model = parse_models(text).models["big"]
+    engines = engines_dir(tmp_path)
+    small_gpu = [{"model": "NVIDIA L4", "memory_mib": 24564, "count": 2}]
+    fleet = [node("cpu-0", engines), node("l4-0", engines, small_gpu)]
+    world = await world_factory(text, nodes=fleet, clock_speed=1.0)
+    world.nomad.register_job(mock_job(model, 1, run_for="1h"))
+    await world.watcher.start()
+
+    async def unplaceable() -> ModelState | None:
+        s = await world.state("big")
+        return s if s is not None and s.unplaceable else None
+
+    state = await until(unplaceable, 30, "big unplaceable")
+    assert state.placement_reason.startswith("no node has 2 x nvidia/gpu with memory >= 81920 MiB: ")
+    assert "missing devices" in state.placement_reason
+    assert world.watcher.decisions["big"].health == "critical"
+
+    # Many passes later, still one warning for the one reason.
+    passes = world.watcher.passes
+    await until(lambda: world.watcher.passes > passes + 10, 30, "more passes")
+    world.watcher.wake()
+    await asyncio.sleep(1)
+    warnings = [r for r in caplog.records if "event=unplaceable model=big" in r.getMessage()]
+    assert len(warnings) == 1
+
+    # Room appears: Nomad re-runs the blocked evaluation, places it, and the state clears.
+    big_gpu = [{"model": "NVIDIA H200", "memory_mib": 143771, "count": 2}]
+    world.standin.add_node(node("h200-0", engines, big_gpu))
+
+    async def cleared() -> ModelState | None:
+        s = await world.state("big")
+        return s if s is not None and not s.unplaceable else None
+
+    await until(cleared, 30, "unplaceable cleared")
+
+
+async def test_an_idle_fleet_costs_a_handful_of_long_polls_not_calls_per_model(
+    world_factory: Callable[..., Awaitable[World]],
+) -> None:
+    names = {f"m{i}": ("file:///tmp/m.gguf", "cpu", 1) for i in range(20)}
+    text = models_text(**names)
+    world = await world_factory(text, clock_speed=1.0)
+    for m in parse_models(text).models.values():
+        world.nomad.register_job(mock_job(m, 1, run_for="1h"))
+    await world.watcher.start()
+
+    def all_running() -> bool:
+        d = world.watcher.decisions
+        return len(d) == 20 and all(x.starting == 1 for x in d.values())
+
+    await until(all_running, 60, "20 replicas running")
+    await asyncio.sleep(3)  # let the last writes (state, UI entries) settle
+    watches = (
+        world.watcher.kv,
+        world.watcher.engines,
+        world.watcher.jobs,
+        world.watcher.allocs,
+        world.watcher.evals,
+    )
+    before = sum(w.calls for w in watches)
+    await asyncio.sleep(10)  # one blocking wait (wait_s=10) of each loop
+    calls = sum(w.calls for w in watches) - before
+    # Five loops, each at most a couple of returns in one wait, whatever the number of models.
+    assert calls <= 15, f"{calls} watch calls in 10 idle seconds for 20 models"
