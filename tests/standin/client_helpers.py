@@ -4,12 +4,12 @@ shaped as the scheduler leaves them in the store (Nomad's JSON field names)."""
 from __future__ import annotations
 
 import asyncio
-import os
 import uuid
 from collections.abc import Callable
 from typing import Any
 
 from devstack.nomad.state import StateStore
+from devstack.processes import alive
 
 Json = dict[str, Any]
 
@@ -191,26 +191,11 @@ def summarize(alloc: Json) -> dict[str, list[str]]:
     }
 
 
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie still answers kill(0); it is dead for our purposes.
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 async def all_gone(pids: list[int], timeout: float = 5.0) -> bool:
     """True once none of `pids` runs; signals are delivered asynchronously, so allow a moment."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
-    while any(pid_alive(p) for p in pids):
+    while any(alive(p) for p in pids):
         if loop.time() > deadline:
             return False
         await asyncio.sleep(0.05)

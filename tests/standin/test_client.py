@@ -21,6 +21,7 @@ from devstack.nomad.clock import Clock
 from devstack.nomad.state import StateStore
 from devstack.nomad.taskenv import TaskEnv
 from devstack.nomad.taskstate import RestartTracker
+from devstack.processes import alive
 from tests.standin.client_helpers import (
     add_alloc,
     all_gone,
@@ -29,7 +30,6 @@ from tests.standin.client_helpers import (
     make_alloc,
     make_job,
     new_store,
-    pid_alive,
     raw_exec_task,
     restart_policy,
     task_state,
@@ -273,7 +273,7 @@ async def test_stop_kills_the_whole_process_tree_and_completes_the_alloc(harness
     alloc_id = harness.run(make_job([task]))
     await wait_alloc(harness.store, alloc_id, lambda a: a["ClientStatus"] == "running")
     pids = await read_pids(harness, alloc_id)
-    assert all(pid_alive(p) for p in pids)
+    assert all(alive(p) for p in pids)
 
     harness.store.upsert_alloc(dict(harness.store.allocs[alloc_id], DesiredStatus="stop"))
     harness.client.stop_alloc(alloc_id)
