@@ -87,14 +87,6 @@ job "llmgw-node-agent" {
         ]
       }
 
-      # NVML needs the driver's libraries and the device nodes; Nomad's NVIDIA device plugin
-      # hands them over for a GPU request, but the agent must see every GPU without claiming
-      # any, so it asks the container toolkit for all of them instead.
-      env {
-        NVIDIA_VISIBLE_DEVICES     = "all"
-        NVIDIA_DRIVER_CAPABILITIES = "utility"
-      }
-
       template {
         destination = "${NOMAD_SECRETS_DIR}/tokens.env"
         env         = true
@@ -106,8 +98,13 @@ job "llmgw-node-agent" {
         EOT
       }
 
+      # NVML needs the driver's libraries and the device nodes; Nomad's NVIDIA device plugin
+      # hands them over for a GPU request, but the agent must see every GPU without claiming
+      # any, so it asks the container toolkit for all of them instead.
       env {
-        NOMAD_ADDR = "http://${attr.unique.network.ip-address}:4646"
+        NVIDIA_VISIBLE_DEVICES     = "all"
+        NVIDIA_DRIVER_CAPABILITIES = "utility"
+        NOMAD_ADDR                 = "http://${attr.unique.network.ip-address}:4646"
       }
 
       resources {

@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client import Counter as PromCounter
 
 from nomad_driver.node_inventory import EngineInstall, EngineScanner, cached_models, engine_meta_key
+from nomad_driver.nomad import tls_from_env
 from nomad_driver.nvml import GpuReading, NvmlReader, NvmlUnavailable
 
 log = logging.getLogger("llmgw.node_agent")
@@ -64,7 +65,9 @@ def build_meta(inventory: Inventory, config: NodeAgentConfig) -> dict[str, str]:
     for engine, found in versions.items():
         meta[engine_meta_key(engine)] = ",".join(sorted(found))
     meta["llmgw_models_cached"] = ",".join(inventory.models)
-    if config.fabric:
+    # A `${meta.llmgw_fabric}` that Nomad could not interpolate arrives as that literal text;
+    # publishing it would make every such node look like one fabric named "${meta...}".
+    if config.fabric and not config.fabric.startswith("${"):
         meta["llmgw_fabric"] = config.fabric
     if inventory.gpus is None:
         meta["llmgw_nvml"] = "unavailable"
@@ -171,7 +174,14 @@ class NodeAgent:
         self._nvml_reported = False
         self.published: dict[str, str] = {}
         headers = {"X-Nomad-Token": config.nomad_token} if config.nomad_token else {}
-        self._http = http or httpx.Client(base_url=config.nomad_addr, headers=headers, timeout=10.0)
+        verify, cert = tls_from_env(config.nomad_addr)
+        self._http = http or httpx.Client(
+            base_url=config.nomad_addr,
+            headers=headers,
+            timeout=10.0,
+            verify=verify,
+            cert=(cert[0], cert[1]) if cert else None,
+        )
         self._stop = threading.Event()
 
     def _read_gpus(self) -> list[GpuReading] | None:

@@ -37,6 +37,15 @@ class NomadUnavailable(NomadError):
     """Nomad could not be reached, timed out, or failed on its side."""
 
 
+def tls_from_env(address: str) -> tuple[bool | str, tuple[str, ...]]:
+    """TLS settings the way Nomad's own CLI reads them: NOMAD_CACERT to verify the server,
+    NOMAD_CLIENT_CERT and NOMAD_CLIENT_KEY for mutual TLS. Returns (verify, (cert, key) or ())."""
+    cacert = os.environ.get("NOMAD_CACERT")
+    verify: bool | str = cacert if cacert else address.startswith("https://")
+    cert, key = os.environ.get("NOMAD_CLIENT_CERT"), os.environ.get("NOMAD_CLIENT_KEY")
+    return verify, ((cert, key) if cert and key else ())
+
+
 class Nomad:
     def __init__(
         self,
@@ -51,10 +60,7 @@ class Nomad:
             self.address = f"http://{self.address}"
         self.token = token if token is not None else os.environ.get("NOMAD_TOKEN")
         self.namespace = namespace or os.environ.get("NOMAD_NAMESPACE") or "default"
-        cacert = os.environ.get("NOMAD_CACERT")
-        self.verify: bool | str = cacert if cacert else self.address.startswith("https://")
-        cert, key = os.environ.get("NOMAD_CLIENT_CERT"), os.environ.get("NOMAD_CLIENT_KEY")
-        self.cert: tuple[str, ...] = (cert, key) if cert and key else ()
+        self.verify, self.cert = tls_from_env(self.address)
         self.timeout = timeout
         self._local = threading.local()
 

@@ -176,3 +176,22 @@ def test_removed_keys_are_unset_not_left_behind() -> None:
     wanted = {"llmgw_models_cached": "a"}
     assert meta_changes(published, wanted) == {"llmgw_engine_llama_cpp": None}
     assert meta_changes(wanted, wanted) == {}
+
+
+def test_an_uninterpolated_fabric_is_not_published(tmp_path: Path) -> None:
+    # Nomad leaves `${meta.llmgw_fabric}` as literal text on a node that does not set it.
+    agent = make_agent(tmp_path, two_h100s(), fabric="${meta.llmgw_fabric}")
+    assert "llmgw_fabric" not in build_meta(agent.inventory(), agent.config)
+
+
+def test_publishing_uses_nomads_tls_variables(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ca = tmp_path / "ca.pem"
+    ca.write_text("")
+    monkeypatch.setenv("NOMAD_CACERT", str(ca))
+    from nomad_driver.nomad import tls_from_env
+
+    assert tls_from_env("https://nomad:4646") == (str(ca), ())
+    monkeypatch.delenv("NOMAD_CACERT")
+    monkeypatch.setenv("NOMAD_CLIENT_CERT", "c.pem")
+    monkeypatch.setenv("NOMAD_CLIENT_KEY", "k.pem")
+    assert tls_from_env("https://nomad:4646") == (True, ("c.pem", "k.pem"))
