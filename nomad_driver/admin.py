@@ -11,26 +11,65 @@ from __future__ import annotations
 
 import hmac
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from nomad_driver.certs import register_cert_collector
 from nomad_driver.consul import ConsulError
+from nomad_driver.node_inventory import engine_meta_key
+from nomad_driver.summary import _gpu_use, _held_devices, fleet_summary, node_state
 from nomad_driver.watcher import NotLeader, UnknownModel, Watcher
 
 TOKEN_ENV = "LLMGW_ADMIN_TOKEN"
+
+# Node meta key -> engine name. The key is a mangled name (`llama.cpp` and `llama_cpp` would
+# both be `llmgw_engine_llama_cpp`), so the known engines are mapped back by name; a key no
+# engine maps to is shown with its suffix, so a new engine is visible before llmgw knows it.
+KNOWN_ENGINES = ("llama.cpp", "llama-cpp-python", "vllm")
+ENGINE_BY_META_KEY = {engine_meta_key(e): e for e in KNOWN_ENGINES}
+_ENGINE_PREFIX = "llmgw_engine_"
+
+
+def node_engines(node: Mapping[str, Any]) -> dict[str, list[str]]:
+    """Engine name -> versions installed, from the node meta the node agent publishes."""
+    meta = node.get("Meta")
+    out: dict[str, list[str]] = {}
+    if not isinstance(meta, Mapping):
+        return out
+    for key, value in meta.items():
+        if not str(key).startswith(_ENGINE_PREFIX):
+            continue
+        engine = ENGINE_BY_META_KEY.get(str(key), str(key)[len(_ENGINE_PREFIX) :])
+        versions = [v.strip() for v in str(value or "").split(",") if v.strip()]
+        if versions:
+            out[engine] = sorted(set(versions))
+    return out
+
+
+def engine_installs(nodes: Iterable[Mapping[str, Any]]) -> dict[tuple[str, str], int]:
+    """(engine, version) -> nodes reporting it, over nodes Nomad calls ready: a down node's
+    install places nothing."""
+    counts: dict[tuple[str, str], int] = {}
+    for node in nodes:
+        if node.get("Status") != "ready":
+            continue
+        for engine, versions in node_engines(node).items():
+            for version in versions:
+                counts[(engine, version)] = counts.get((engine, version), 0) + 1
+    return counts
 
 
 class WatcherCollector(Collector):
     def __init__(self, watcher: Watcher) -> None:
         self.watcher = watcher
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[Metric]:
         w = self.watcher
         gauges = {
             "desired": GaugeMetricFamily(
@@ -64,6 +103,29 @@ class WatcherCollector(Collector):
         leader = GaugeMetricFamily("llmgw_leader", "1 on the watcher that leads.")
         leader.add_metric([], 1 if w.leadership.is_leader else 0)
         yield leader
+        changes = CounterMetricFamily("llmgw_leader_changes", "Times this watcher gained or lost leadership.")
+        changes.add_metric([], w.leader_changes)
+        yield changes
+
+        installs = engine_installs(w.nodes.snapshot.data if w.nodes.snapshot else ())
+        family = GaugeMetricFamily(
+            "llmgw_engine_installs",
+            "Ready Nomad nodes whose meta reports this engine version installed.",
+            labels=["engine", "version"],
+        )
+        for (engine, version), count in sorted(installs.items()):
+            family.add_metric([engine, version], count)
+        yield family
+        available = GaugeMetricFamily(
+            "llmgw_model_engine_available",
+            "1 if some ready node reports the engine version the model's profile asks for, else 0.",
+            labels=["model", "engine", "version"],
+        )
+        for name in sorted(w.models):
+            p = w.models[name].profile
+            has = installs.get((p.engine, p.engine_version), 0) > 0
+            available.add_metric([name, p.engine, p.engine_version], 1 if has else 0)
+        yield available
 
 
 def model_status(w: Watcher, name: str) -> dict[str, Any]:
@@ -88,6 +150,8 @@ def model_status(w: Watcher, name: str) -> dict[str, Any]:
         "def_hash": m.def_hash,
         "source": m.source,
         "profile": m.profile_name,
+        "replicas_min": m.replicas_min,
+        "replicas_max": m.replicas_max,
         "replicas": {"min": m.replicas_min, "max": m.replicas_max},
         "desired": d.desired,
         "ready": d.ready,
@@ -104,6 +168,47 @@ def model_status(w: Watcher, name: str) -> dict[str, Any]:
     }
 
 
+def nodes_status(w: Watcher) -> list[dict[str, Any]]:
+    """Every Nomad node as `GET /v1/admin/nodes` shows it, sorted by name."""
+    nodes = [dict(n) for n in (w.nodes.snapshot.data if w.nodes.snapshot else ())]
+    held = _held_devices(w.allocs.snapshot.data if w.allocs.snapshot else ())
+    out = []
+    for node in nodes:
+        raw_meta = node.get("Meta")
+        meta: dict[str, Any] = raw_meta if isinstance(raw_meta, dict) else {}
+        gpus, _ = _gpu_use([node], held)
+        cached = str(meta.get("llmgw_models_cached") or "")
+        out.append(
+            {
+                "name": str(node.get("Name", "")),
+                "id": str(node.get("ID", "")),
+                "datacenter": str(node.get("Datacenter", "")),
+                "pool": str(node.get("NodePool", "")),
+                "class": str(node.get("NodeClass", "")),
+                "status": str(node.get("Status", "")),
+                "state": node_state(node),
+                "eligibility": str(node.get("SchedulingEligibility", "")),
+                "draining": node_state(node) == "draining",
+                "gpus": gpus,
+                "fabric": str(meta.get("llmgw_fabric") or ""),
+                "engines": node_engines(node),
+                "models_cached": sorted({m.strip() for m in cached.split(",") if m.strip()}),
+            }
+        )
+    out.sort(key=lambda n: (n["name"], n["id"]))
+    return out
+
+
+def summary(w: Watcher) -> dict[str, Any]:
+    """`GET /v1/admin/summary`: `fleet_summary` over this watcher's latest snapshots."""
+    nodes = [dict(n) for n in (w.nodes.snapshot.data if w.nodes.snapshot else ())]
+    allocs = [dict(a) for a in (w.allocs.snapshot.data if w.allocs.snapshot else ())]
+    # Failed replicas hold no cards and serve nothing; the summary counts what runs.
+    replicas = [r for r in w.replicas if r["state"] != "failed"]
+    models = {n: model_status(w, n) for n in sorted(w.decisions) if n in w.models}
+    return fleet_summary(nodes, allocs, replicas, models, w.clock())
+
+
 def _leader(w: Watcher) -> dict[str, Any] | None:
     info = w.leadership.leader
     return {"id": info.id, "address": info.address} if info else None
@@ -113,6 +218,7 @@ def create_app(watcher: Watcher) -> FastAPI:
     app = FastAPI(title="llmgw watcher admin API")
     registry = CollectorRegistry()
     registry.register(WatcherCollector(watcher))
+    register_cert_collector(registry)
 
     def authorized(request: Request) -> bool:
         token = os.environ.get(TOKEN_ENV)
@@ -137,6 +243,19 @@ def create_app(watcher: Watcher) -> FastAPI:
             "definitions_problem": watcher.definitions_problem,
             "models": [model_status(watcher, n) for n in sorted(watcher.decisions) if n in watcher.models],
         }
+
+    @app.get("/v1/admin/summary")
+    async def fleet() -> dict[str, Any]:
+        return summary(watcher)
+
+    @app.get("/v1/admin/nodes")
+    async def nodes() -> dict[str, Any]:
+        snap = watcher.nodes.snapshot
+        return {"nodes": nodes_status(watcher), "stale": snap is None or not watcher.nodes.ok}
+
+    @app.get("/v1/admin/replicas")
+    async def replicas() -> dict[str, Any]:
+        return {"replicas": list(watcher.replicas)}
 
     @app.get("/v1/admin/models/{model}")
     async def model(model: str) -> Response:

@@ -99,6 +99,23 @@ class AdminClient:
             )
         return data
 
+    def nodes(self) -> list[dict[str, Any]]:
+        return self._list("/v1/admin/nodes", "nodes")
+
+    def replicas(self) -> list[dict[str, Any]]:
+        return self._list("/v1/admin/replicas", "replicas")
+
+    def _list(self, path: str, key: str) -> list[dict[str, Any]]:
+        data = self.get(path)
+        if not isinstance(data, dict) or not isinstance(data.get(key), list):
+            raise AdminError(f"the llmgw admin API at {self.addr} answered {path} without '{key}'")
+        return [item for item in data[key] if isinstance(item, dict)]
+
+    def retry(self, name: str) -> dict[str, Any]:
+        """Unpark `name` (leader only: a follower's 409 names the leader)."""
+        data = self.post(f"/v1/admin/models/{quote(name, safe='')}/retry", model=name)
+        return data if isinstance(data, dict) else {}
+
     def summary(self) -> dict[str, Any]:
         data = self.get("/v1/admin/summary")
         if not isinstance(data, dict):

@@ -9,6 +9,7 @@ them: 0 fine, 1 `status --check` found a model that is not serving as it should,
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -390,3 +391,75 @@ def summary(
         print_json(data)
         return
     _render_summary(_console(), data)
+
+
+def _gpu_cell(gpus: Any) -> str:
+    parts = []
+    for use in gpus if isinstance(gpus, list) else []:
+        if isinstance(use, dict):
+            bad = f", {_int(use.get('unhealthy'))} unhealthy" if _int(use.get("unhealthy")) else ""
+            parts.append(f"{use.get('class', '')} {_int(use.get('used'))}/{_int(use.get('total'))} used{bad}")
+    return "; ".join(parts)
+
+
+@ctl_app.command("nodes")
+def nodes_cmd(
+    ctx: typer.Context,
+    as_json: bool = typer.Option(False, "--json", help="Print the admin API's JSON."),
+) -> None:
+    """Every Nomad node: state, GPUs per class, fabric, engines and cached models."""
+    client = client_of(ctx)
+    with admin_errors():
+        rows = client.nodes()
+    if as_json:
+        print_json({"nodes": rows})
+        return
+    table = Table(title="nodes", title_justify="left")
+    for column in ("NAME", "STATE", "CLASS", "GPUS", "FABRIC", "ENGINES", "CACHED"):
+        table.add_column(column)
+    for n in rows:
+        raw = n.get("engines")
+        engines: dict[str, Any] = raw if isinstance(raw, dict) else {}
+        table.add_row(
+            str(n.get("name", "")),
+            str(n.get("state") or n.get("status") or ""),
+            str(n.get("class", "")),
+            _gpu_cell(n.get("gpus")),
+            str(n.get("fabric", "")),
+            " ".join(f"{e}={','.join(map(str, v))}" for e, v in sorted(engines.items())),
+            ",".join(map(str, n.get("models_cached") or [])),
+        )
+    _console().print(table)
+
+
+@ctl_app.command("replicas")
+def replicas_cmd(
+    ctx: typer.Context,
+    as_json: bool = typer.Option(False, "--json", help="Print the admin API's JSON."),
+) -> None:
+    """Every replica: model, node, address, state and since when."""
+    client = client_of(ctx)
+    with admin_errors():
+        rows = client.replicas()
+    if as_json:
+        print_json({"replicas": rows})
+        return
+    table = Table(title="replicas", title_justify="left")
+    for column in ("MODEL", "ALLOCATION", "NODE", "ADDRESS", "STATE", "SINCE"):
+        table.add_column(column)
+    styles = {"ready": "green", "starting": "yellow", "failed": "bold red"}
+    for r in rows:
+        state = str(r.get("state", ""))
+        since = r.get("since")
+        when = (
+            time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(since)) if isinstance(since, int | float) else ""
+        )
+        table.add_row(
+            str(r.get("model", "")),
+            str(r.get("alloc_id", ""))[:8],
+            str(r.get("node", "")),
+            str(r.get("address", "")),
+            Text(state, style=styles.get(state, "")),
+            when,
+        )
+    _console().print(table)

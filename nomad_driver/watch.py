@@ -125,13 +125,13 @@ def engines_fetch(
 
 
 def nomad_list_fetch(
-    nomad: Nomad, collection: str, wait_s: float
+    nomad: Nomad, collection: str, wait_s: float, params: dict[str, Any] | None = None
 ) -> Callable[[int], Awaitable[tuple[int, tuple[dict[str, Any], ...]]]]:
     """Allocations or evaluations of llmgw's jobs (the others are dropped here, once)."""
 
     async def fetch(index: int) -> tuple[int, tuple[dict[str, Any], ...]]:
         new_index, items = await asyncio.to_thread(
-            nomad.blocking_list, collection, index=index, wait_s=wait_s
+            nomad.blocking_list, collection, index=index, wait_s=wait_s, params=params
         )
         return new_index, tuple(i for i in items if str(i.get("JobID", "")).startswith(JOB_PREFIX))
 
@@ -165,5 +165,52 @@ def jobs_fetch(
                 fresh[job_id] = (modify, full)
         jobs.by_id = fresh
         return new_index, {k: v[1] for k, v in fresh.items()}
+
+    return fetch
+
+
+def _read_node(nomad: Nomad, node_id: str) -> Any:
+    return nomad._json(nomad._request("node", node_id), f"node {node_id}")
+
+
+@dataclass
+class NodeCache:
+    by_id: dict[str, tuple[int, dict[str, Any]]] = field(default_factory=dict)
+
+
+def nodes_fetch(
+    nomad: Nomad, wait_s: float, cache: NodeCache | None = None
+) -> Callable[[int], Awaitable[tuple[int, tuple[dict[str, Any], ...]]]]:
+    """Every Nomad node with its devices (`/v1/nodes?resources=true`) and its meta.
+
+    The list stub has no `Meta`, where the node agent publishes engines, GPU class, fabric and
+    cached weights; so, as for jobs, a node is read in full only when its ModifyIndex moves,
+    and an idle fleet of two hundred nodes costs one long poll, not two hundred reads.
+    """
+    nodes = cache or NodeCache()
+
+    async def fetch(index: int) -> tuple[int, tuple[dict[str, Any], ...]]:
+        new_index, stubs = await asyncio.to_thread(
+            nomad.blocking_list, "nodes", index=index, wait_s=wait_s, params={"resources": "true"}
+        )
+        fresh: dict[str, tuple[int, dict[str, Any]]] = {}
+        for stub in stubs:
+            node_id = str(stub.get("ID", ""))
+            modify = int(stub.get("ModifyIndex") or 0)
+            held = nodes.by_id.get(node_id)
+            if held is not None and held[0] == modify:
+                fresh[node_id] = (modify, {**held[1], **stub})
+                continue
+            try:
+                full = await asyncio.to_thread(_read_node, nomad, node_id)
+            except NomadError as exc:
+                if exc.status != 404:
+                    raise
+                continue  # garbage-collected between the list and the read
+            if isinstance(full, dict):
+                # The stub's fields win: they are the list's own answer at this index.
+                fresh[node_id] = (modify, {**full, **stub})
+        nodes.by_id = fresh
+        return new_index, tuple(n for _, n in sorted(fresh.values(), key=lambda v: str(v[1].get("Name"))))
 
     return fetch

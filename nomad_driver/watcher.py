@@ -15,7 +15,7 @@ import re
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_random_exponential
@@ -36,6 +36,7 @@ from nomad_driver.reconcile import (
     Scale,
     WriteState,
     job_group,
+    model_health,
     reconcile,
     retried,
 )
@@ -51,7 +52,16 @@ from nomad_driver.state import (
     parse_state,
     state_key,
 )
-from nomad_driver.watch import JobCache, Watch, engines_fetch, jobs_fetch, kv_fetch, nomad_list_fetch
+from nomad_driver.watch import (
+    JobCache,
+    NodeCache,
+    Watch,
+    engines_fetch,
+    jobs_fetch,
+    kv_fetch,
+    nodes_fetch,
+    nomad_list_fetch,
+)
 
 log = logging.getLogger("llmgw.watcher")
 
@@ -79,6 +89,9 @@ class WatcherConfig:
     # Passes also run on this tick, for idle timeouts that expire with nothing changing.
     tick_s: float = 5.0
     min_pass_interval_s: float = 0.2
+    # How long parking waits for the failed engine's stderr before falling back to Nomad's
+    # task event; a pass waits this long at most, and only when a model is being parked.
+    stderr_wait_s: float = 3.0
 
 
 def _passing(entry: Mapping[str, Any]) -> bool:
@@ -86,6 +99,27 @@ def _passing(entry: Mapping[str, Any]) -> bool:
     return isinstance(checks, list) and all(
         isinstance(c, dict) and c.get("Status") == "passing" for c in checks
     )
+
+
+def _same_state(a: ModelState, b: ModelState) -> bool:
+    return a.model_dump(exclude={"updated_at"}) == b.model_dump(exclude={"updated_at"})
+
+
+def _alloc_time(alloc: Mapping[str, Any], state: str) -> float | None:
+    """When Nomad says the allocation entered `state`: its engine's last start, or for a failed
+    one its last change. Unix seconds."""
+    if state == "failed":
+        stamp = alloc.get("ModifyTime")
+    else:
+        starts = [
+            e.get("Time")
+            for ts in (alloc.get("TaskStates") or {}).values()
+            if isinstance(ts, dict)
+            for e in ts.get("Events") or []
+            if isinstance(e, dict) and e.get("Type") == "Started"
+        ]
+        stamp = max((s for s in starts if isinstance(s, int)), default=None) or alloc.get("CreateTime")
+    return stamp / 1e9 if isinstance(stamp, int) and stamp > 0 else None
 
 
 def _entry_model(entry: Mapping[str, Any]) -> str:
@@ -134,11 +168,19 @@ class Watcher:
         self.jobs: Watch[Mapping[str, dict[str, Any]]] = Watch(
             "nomad-jobs", jobs_fetch(nomad, w, JobCache()), on_change=self.wake
         )
+        # With resources: the summary counts a GPU as used from the allocation that holds it.
         self.allocs: Watch[tuple[dict[str, Any], ...]] = Watch(
-            "nomad-allocations", nomad_list_fetch(nomad, "allocations", w), on_change=self.wake
+            "nomad-allocations",
+            nomad_list_fetch(nomad, "allocations", w, {"resources": "true"}),
+            on_change=self.wake,
         )
         self.evals: Watch[tuple[dict[str, Any], ...]] = Watch(
             "nomad-evaluations", nomad_list_fetch(nomad, "evaluations", w), on_change=self.wake
+        )
+        # Nodes feed only the admin API and the engine metrics, never a decision, so a change
+        # there does not wake a pass and a failing node watch does not stop the leader acting.
+        self.nodes: Watch[tuple[dict[str, Any], ...]] = Watch(
+            "nomad-nodes", nodes_fetch(nomad, w, NodeCache()), on_change=lambda: None
         )
         self.models: dict[str, Model] = {}
         self.definitions_problem = ""
@@ -153,6 +195,12 @@ class Watcher:
         self._malformed_reported: set[tuple[str, int]] = set()
         self._tasks: list[asyncio.Task[None]] = []
         self._apply_lock = asyncio.Lock()
+        self.leader_changes = 0
+        # Replicas as of the last pass, and since when each has been in its state.
+        self.replicas: list[dict[str, Any]] = []
+        self._replica_since: dict[str, tuple[str, float]] = {}
+        # The engine's own words for a failed start, read once per start (see `_engine_error`).
+        self._engine_errors: dict[tuple[str, str, int], str] = {}
 
     # Lifecycle
 
@@ -160,6 +208,7 @@ class Watcher:
         self._wake.set()
 
     def _leader_changed(self, leading: bool) -> None:
+        self.leader_changes += 1
         # A new leader reads the catalog before correcting it; a deposed one forgets its cache.
         self.health.forget()
         self._written.clear()
@@ -167,7 +216,7 @@ class Watcher:
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
-        # Three Nomad long polls hold a thread each for their whole wait; leave room for the
+        # Four Nomad long polls hold a thread each for their whole wait; leave room for the
         # short calls (scale, register, logs) beside them.
         loop.set_default_executor(ThreadPoolExecutor(max_workers=16, thread_name_prefix="llmgw-nomad"))
         for coro in (
@@ -177,6 +226,7 @@ class Watcher:
             self.jobs.run(),
             self.allocs.run(),
             self.evals.run(),
+            self.nodes.run(),
             self._loop(),
         ):
             self._tasks.append(asyncio.create_task(coro))
@@ -321,7 +371,17 @@ class Watcher:
     async def run_pass(self) -> None:
         views = self.build_views()
         decisions = {name: reconcile(v, self.config.max_start_failures) for name, v in views.items()}
+        parks = {
+            (a.alloc_id, a.task, a.failures)
+            for d in decisions.values()
+            for a in d.actions
+            if isinstance(a, Park)
+        }
+        for name, d in decisions.items():
+            decisions[name] = await self._telling(d, views[name])
+        self._engine_errors = {k: v for k, v in self._engine_errors.items() if k in parks}
         self.views, self.decisions = views, decisions
+        self.replicas = self._build_replicas(views)
         self.passes += 1
         if not self.leadership.is_leader or not self.ready_to_act():
             return
@@ -337,6 +397,133 @@ class Watcher:
             except ConsulError as exc:
                 self.health.forget()
                 log.warning("event=health_sync_failed error=%r", str(exc))
+
+    async def _telling(self, d: Decision, view: ModelView) -> Decision:
+        """The decision with the most telling last error it can have.
+
+        A model about to be parked carries the engine's own words (its stderr) from the first
+        moment anything shows it parked: the admin API, the metrics, the Consul UI and the state
+        in KV, on every watcher. And a telling error already stored is never replaced by a less
+        telling one ("Exit Code: 1") for the same run of failures.
+        """
+        state = d.state
+        stored = view.state
+        park = next((a for a in d.actions if isinstance(a, Park)), None)
+        if park is not None:
+            state = state.model_copy(update={"last_error": await self._engine_error(park)})
+        elif (
+            stored is not None
+            and state.last_error != stored.last_error
+            and parking.telling_line(stored.last_error)
+            and not parking.telling_line(state.last_error)
+            and state.consecutive_failures >= stored.consecutive_failures > 0
+        ):
+            state = state.model_copy(update={"last_error": stored.last_error})
+        else:
+            return d
+        health, output = model_health(d.model, state, d.desired, d.ready, d.starting)
+        actions: list[Action] = []
+        for a in d.actions:
+            if isinstance(a, Park):
+                a = replace(a, state=state)
+            elif isinstance(a, WriteState):
+                unchanged = stored is not None and not view.state_problem and _same_state(state, stored)
+                if unchanged:
+                    continue
+                a = replace(a, state=state)
+            actions.append(a)
+        return replace(d, state=state, health=health, health_output=output, actions=tuple(actions))
+
+    async def _engine_error(self, park: Park) -> str:
+        """The line of the failed engine's stderr that says why it died, read through Nomad's
+        logs API once per failed start; Nomad's task event only when that read fails or the
+        engine wrote nothing telling. Bounded, because a pass waits for it."""
+        key = (park.alloc_id, park.task, park.failures)
+        if key in self._engine_errors:
+            return self._engine_errors[key]
+        line = ""
+        if park.alloc_id and park.task:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + self.config.stderr_wait_s
+            # An empty log is asked again only briefly: most engines that die write nothing
+            # more, and parking must not wait seconds for them.
+            patience = loop.time() + 0.5
+            while True:
+                try:
+                    stderr = await asyncio.wait_for(
+                        asyncio.to_thread(self.nomad.stderr_tail, park.alloc_id, park.task),
+                        timeout=max(0.1, deadline - loop.time()),
+                    )
+                except (NomadError, TimeoutError) as exc:
+                    log.warning(
+                        "event=stderr_unavailable model=%s alloc=%s error=%r fallback=task_event",
+                        park.model,
+                        park.alloc_id,
+                        str(exc) or type(exc).__name__,
+                    )
+                    break
+                line = parking.telling_line(stderr)
+                # Nothing written yet can be a log shipper a moment behind the exit; an engine
+                # that wrote and said nothing telling will not say more.
+                if line or stderr.strip() or loop.time() + 0.1 >= min(deadline, patience):
+                    break
+                await asyncio.sleep(0.1)
+        error = line or park.event_error or "no error recorded"
+        self._engine_errors[key] = error
+        return error
+
+    def _build_replicas(self, views: Mapping[str, ModelView]) -> list[dict[str, Any]]:
+        """Every replica of every defined model: placed and live (ready or starting), or failed
+        and waiting for Nomad to restart or replace it."""
+        now = self.clock()
+        by_job = {v.model.job_id: name for name, v in views.items()}
+        passing: dict[str, dict[str, Any]] = {}
+        for entry in self.engines.snapshot.data if self.engines.snapshot else ():
+            svc = entry.get("Service") or {}
+            found = _ALLOC_ID.search(str(svc.get("ID", "")))
+            if found and _passing(entry):
+                passing[found.group(0)] = entry
+        out: list[dict[str, Any]] = []
+        seen: dict[str, tuple[str, float]] = {}
+        for a in self.allocs.snapshot.data if self.allocs.snapshot else ():
+            model = by_job.get(str(a.get("JobID")))
+            alloc_id = str(a.get("ID", ""))
+            if model is None or a.get("DesiredStatus") != "run":
+                continue
+            client = a.get("ClientStatus")
+            if client in ("pending", "running"):
+                state = "ready" if alloc_id in passing else "starting"
+            elif client == "failed" and not a.get("NextAllocation"):
+                state = "failed"
+            else:
+                continue
+            held = self._replica_since.get(alloc_id)
+            if held is not None and held[0] == state:
+                since = held[1]
+            elif held is None:
+                # First sight (a watcher just started): Nomad's own time is nearer the truth.
+                since = _alloc_time(a, state) or now
+            else:
+                since = now
+            seen[alloc_id] = (state, since)
+            svc = (passing.get(alloc_id) or {}).get("Service") or {}
+            address = f"{svc.get('Address')}:{svc.get('Port')}" if svc.get("Address") else ""
+            out.append(
+                {
+                    "model": model,
+                    "alloc_id": alloc_id,
+                    "node": str(a.get("NodeName") or ""),
+                    "node_id": str(a.get("NodeID") or ""),
+                    "address": address,
+                    "state": state,
+                    "ready": state == "ready",
+                    "since": since,
+                    "last_request_at": views[model].activity,
+                }
+            )
+        self._replica_since = seen
+        out.sort(key=lambda r: (r["model"], r["node"], r["alloc_id"]))
+        return out
 
     def _log_placement(self, d: Decision) -> None:
         if d.state.unplaceable:
@@ -383,18 +570,9 @@ class Watcher:
             await self._write_state(model.name, action.state, action.cas)
 
     async def _park(self, model: Model, action: Park) -> None:
-        stderr = ""
-        if action.alloc_id and action.task:
-            try:
-                stderr = await asyncio.to_thread(self.nomad.stderr_tail, action.alloc_id, action.task)
-            except NomadError as exc:
-                log.info(
-                    "event=stderr_unavailable model=%s alloc=%s error=%r",
-                    model.name,
-                    action.alloc_id,
-                    str(exc),
-                )
-        error = parking.telling_line(stderr) or action.event_error or "no error recorded"
+        # Read before anything is written (the pass already did; this is its cached answer), so
+        # the first parked state anyone sees names the engine's own error.
+        error = await self._engine_error(action)
         message = (
             f"llmgw: parked {model.name} after {action.failures} consecutive start failures: {error}; "
             f"fix the source or profile, or run 'llmgw ctl retry {model.name}'"
@@ -424,7 +602,8 @@ class Watcher:
             return True
         if result.failed_session_check():
             log.warning("event=fenced_write_refused model=%s reason=%r", model, result.errors)
-            self.leadership.is_leader = False  # stop acting now; the election loop catches up
+            # Stop acting now (and count the loss); the election loop catches up.
+            self.leadership._set_leader(False, "a fenced write was refused: the lock is lost")
             self.leadership.session = ""
         else:
             log.info("event=state_conflict model=%s key=%s", model, key)

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
-import sys
 from pathlib import Path
 
 import typer
@@ -14,16 +12,7 @@ EXIT_BAD_INPUT = 2
 EXIT_UNREACHABLE = 3
 EXIT_UNKNOWN_MODEL = 4
 EXIT_REFUSED = 5
-
-
-def configure_logging(level: str) -> None:
-    """key=value lines, one event each, naming the model, for grep and for log shippers."""
-    logging.basicConfig(
-        stream=sys.stderr,
-        level=getattr(logging, level.upper(), logging.INFO),
-        format="ts=%(asctime)s level=%(levelname)s logger=%(name)s %(message)s",
-    )
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+TOKEN_ENV = "LLMGW_ADMIN_TOKEN"
 
 
 def split_listen(listen: str) -> tuple[str, int]:
@@ -55,6 +44,7 @@ def watcher(
 
     from nomad_driver.admin import create_app
     from nomad_driver.consul import Consul
+    from nomad_driver.logs import configure_logging
     from nomad_driver.nomad import Nomad
     from nomad_driver.watcher import Watcher, WatcherConfig
 
@@ -66,7 +56,10 @@ def watcher(
         config = WatcherConfig(address=listen, max_start_failures=max_start_failures, leader_ttl_s=leader_ttl)
         w = Watcher(consul, Nomad(), config)
         await w.start()
-        server = uvicorn.Server(uvicorn.Config(create_app(w), host=host, port=port, log_level="warning"))
+        server = uvicorn.Server(
+            # log_config=None: uvicorn's lines go through the root logger, in llmgw's format.
+            uvicorn.Config(create_app(w), host=host, port=port, log_level="warning", log_config=None)
+        )
         try:
             await server.serve()
         finally:
@@ -103,34 +96,26 @@ def apply(models: Path = typer.Argument(..., exists=True, dir_okay=False, help="
 
 
 def ctl_retry(
+    ctx: typer.Context,
     model: str = typer.Argument(..., help="The parked model to place again."),
-    addr: str = typer.Option(
-        "http://127.0.0.1:4700", "--addr", envvar="LLMGW_ADMIN_ADDR", help="Admin API address."
+    addr: str | None = typer.Option(
+        None, "--addr", help="Admin API address (as `llmgw ctl --addr`).", show_default=False
+    ),
+    token: str | None = typer.Option(
+        None, "--token", help="Bearer token (as `llmgw ctl --token`).", show_default=False
     ),
 ) -> None:
     """Unpark a model: clear its failure count and restore its replicas (leader only)."""
-    import httpx
+    from nomad_driver.admin_client import AdminClient
+    from nomad_driver.ctl import admin_errors, client_of
 
-    headers = {}
-    token = os.environ.get("LLMGW_ADMIN_TOKEN")
-    if token:
-        headers["Authorization"] = f"Bearer {token}"
-    url = f"{addr.rstrip('/')}/v1/admin/models/{model}/retry"
-    try:
-        resp = httpx.post(url, headers=headers, timeout=15)
-    except httpx.HTTPError as exc:
-        typer.echo(f"llmgw ctl retry: cannot reach the admin API at {addr}: {exc}", err=True)
-        raise typer.Exit(EXIT_UNREACHABLE) from None
-    try:
-        body = resp.json()
-    except ValueError:
-        body = {"error": resp.text[:200]}
-    if resp.status_code == 404:
-        typer.echo(f"llmgw ctl retry: {body.get('error', 'unknown model')}", err=True)
-        raise typer.Exit(EXIT_UNKNOWN_MODEL)
-    if resp.status_code != 200:
-        typer.echo(f"llmgw ctl retry: {body.get('error', resp.text[:200])}", err=True)
-        raise typer.Exit(EXIT_REFUSED)
+    # Given after the verb, they win over the group's; otherwise the group's client is used.
+    client = client_of(ctx)
+    if addr is not None or token is not None:
+        client = AdminClient(addr or client.addr, token if token is not None else os.environ.get(TOKEN_ENV))
+        ctx.call_on_close(client.close)
+    with admin_errors():
+        client.retry(model)
     typer.echo(f"{model}: retried; its failure count is cleared and its replicas are being restored")
 
 

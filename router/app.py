@@ -19,6 +19,7 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from yarl import URL
 
+from nomad_driver.certs import register_cert_collector
 from router import errors
 from router import status as views
 from router.activation import Activator, NomadClient
@@ -49,6 +50,9 @@ class RouterApp:
     def __init__(self, config: RouterConfig, *, activation: bool = True) -> None:
         self.config = config
         self.metrics = RouterMetrics()
+        # The serving certificate beside the Nomad and Consul ones: an expired one fails every
+        # client's handshake, so it is watched like the others (read from disk at each scrape).
+        register_cert_collector(self.metrics.registry, extra=[config.tls_cert] if config.tls_cert else [])
         self.balancer = Balancer(slack=config.affinity_slack, balance_factor=config.balance_factor)
         self.discovery = Discovery(
             config.consul, models_file=config.models_file, on_change=self._snapshot_changed

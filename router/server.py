@@ -6,6 +6,7 @@ import logging
 import os
 from dataclasses import replace
 
+from nomad_driver.logs import configure_logging
 from router.app import RouterApp
 from router.config import ConfigError, Limits, RouterConfig, Timeouts, from_env, load_api_keys, parse_listen
 
@@ -48,7 +49,7 @@ def serve(*, activation: bool = True, log_level: str = "info", **options: object
     import uvicorn
 
     config = build_config(**options)  # type: ignore[arg-type]
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(log_level)
     app = RouterApp(config, activation=activation)
     if not config.api_keys:
         logging.getLogger("llmgw.router").warning(
@@ -62,6 +63,8 @@ def serve(*, activation: bool = True, log_level: str = "info", **options: object
         ssl_keyfile=config.tls_key or None,
         lifespan="on",
         log_level=log_level,
+        # uvicorn's own lines go through the root logger, in the one llmgw format.
+        log_config=None,
         # One line per request costs more than the proxying; the metrics count every request.
         access_log=False,
         # Clients such as the openai SDK keep connections open between calls.

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import shutil
 import signal
 import sys
@@ -20,6 +19,7 @@ from devstack.nomad.http import make_app
 from devstack.nomad.nodes import NodeSpecError, load_nodes
 from devstack.nomad.server import NomadServer
 from devstack.nomad.streams import EVENT_HEARTBEAT_S
+from nomad_driver.logs import configure_logging
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
@@ -69,9 +69,7 @@ async def _serve(args: argparse.Namespace, data_dir: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(args.log_level)
     if not args.listen.rpartition(":")[2].isdigit():
         print(f"--listen: expected HOST:PORT, got {args.listen!r}", file=sys.stderr)
         return 2
