@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
+import signal
 from pathlib import Path
 
 import typer
@@ -51,7 +53,7 @@ def watcher(
     configure_logging(log_level)
     host, port = split_listen(listen)
 
-    async def main() -> None:
+    async def main() -> int:
         consul = Consul()
         config = WatcherConfig(address=listen, max_start_failures=max_start_failures, leader_ttl_s=leader_ttl)
         w = Watcher(consul, Nomad(), config)
@@ -60,14 +62,29 @@ def watcher(
             # log_config=None: uvicorn's lines go through the root logger, in llmgw's format.
             uvicorn.Config(create_app(w), host=host, port=port, log_level="warning", log_config=None)
         )
+        # uvicorn re-raises the signal that stopped it once serve() returns; with the default
+        # SIGTERM handler that kills the process before the finally below releases the lock,
+        # and the other watcher waits out the session TTL (twice over) to lead.
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: None)
+        code = 0
         try:
             await server.serve()
+        except SystemExit as exc:  # uvicorn exits this way when it cannot bind
+            code = exc.code if isinstance(exc.code, int) else 1
         finally:
             # Release the lock at once, so another watcher need not wait out the TTL.
             await w.stop()
             await consul.close()
+        return code
 
-    asyncio.run(main())
+    loop = asyncio.new_event_loop()
+    code = loop.run_until_complete(main())
+    # Not asyncio.run(): it would join the executor's threads, and those sit in Nomad long polls
+    # for up to a minute. Nothing lives in this process that the lock release has not handed
+    # over, so the abandoned polls are let go with the process.
+    logging.shutdown()
+    os._exit(code)
 
 
 def apply(models: Path = typer.Argument(..., exists=True, dir_okay=False, help="The models file.")) -> None:

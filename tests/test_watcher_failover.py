@@ -145,3 +145,19 @@ def test_killing_the_leader_hands_over_without_losing_or_rewriting_state(
     metrics = requests.get(f"{url}/metrics", timeout=2).text
     assert "llmgw_leader 1.0" in metrics
     assert 'llmgw_model_parked{model="crash"} 1.0' in metrics
+
+
+def test_a_stopped_leader_hands_over_at_once(watchers: list[Any]) -> None:
+    """A rolling update stops watchers with SIGTERM: the lock must be released on the way out,
+    not left for Consul to expire."""
+    wait_for(lambda: leader_of(watchers) is not None, 30, "a leader")
+    first = leader_of(watchers)
+    assert first is not None
+    proc, _ = watchers[first]
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(15) == 0
+    stopped_at = time.monotonic()
+    wait_for(lambda: leader_of(watchers) == 1 - first, TTL_S, "the other watcher to lead")
+    took = time.monotonic() - stopped_at
+    # Well under the session TTL: the lock was released, not expired.
+    assert took < TTL_S / 2, f"handover took {took:.1f}s"
