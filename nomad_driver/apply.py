@@ -14,7 +14,7 @@ from pathlib import Path
 
 from nomad_driver.consul import Consul
 from nomad_driver.nomad import Nomad
-from nomad_driver.reconcile import job_def_hash, job_group
+from nomad_driver.reconcile import job_group, job_is_current
 from nomad_driver.render import render_job
 from nomad_driver.spec import ModelSet, parse_models
 from nomad_driver.state import CONFIG_MODELS_KEY
@@ -48,7 +48,7 @@ def register_jobs(nomad: Nomad, models: ModelSet) -> ApplyResult:
     result = ApplyResult(models)
     for name, model in sorted(models.models.items()):
         current = nomad.get_job(model.job_id)
-        if current is not None and job_def_hash(current) == model.def_hash:
+        if current is not None and job_is_current(current, model):
             result.unchanged.append(name)
             continue
         job = render_job(model)

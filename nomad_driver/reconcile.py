@@ -114,6 +114,23 @@ def job_def_hash(job: Mapping[str, Any] | None) -> str:
     return str(job["Meta"].get("llmgw_def_hash", ""))
 
 
+def job_scaling_max(job: Mapping[str, Any] | None) -> int | None:
+    groups = job.get("TaskGroups") if isinstance(job, Mapping) else None
+    if not isinstance(groups, list) or not groups or not isinstance(groups[0], Mapping):
+        return None
+    scaling = groups[0].get("Scaling")
+    if not isinstance(scaling, Mapping) or not isinstance(scaling.get("Max"), int):
+        return None
+    return int(scaling["Max"])
+
+
+def job_is_current(job: Mapping[str, Any] | None, model: Model) -> bool:
+    """The job in Nomad runs this definition. Replicas are not in the definition hash (scaling
+    is not a new definition, and must not unpark), but Nomad refuses to scale past the job's
+    scaling maximum, so a raised `replicas.max` needs the job registered again."""
+    return job_def_hash(job) == model.def_hash and job_scaling_max(job) == model.replicas_max
+
+
 def failures_after(state: ModelState) -> int:
     value = getattr(state, "failures_after_ns", 0)
     return value if isinstance(value, int) else 0
@@ -194,8 +211,7 @@ def reconcile(view: ModelView, max_start_failures: int = DEFAULT_MAX_START_FAILU
 
     desired = 0 if state.parked else desired_replicas(view, count)
 
-    job_hash = job_def_hash(view.job)
-    if view.job is None or job_hash != m.def_hash:
+    if view.job is None or not job_is_current(view.job, m):
         actions.append(RegisterJob(m.name, desired))
     elif count != desired and not park_now and not view.job.get("Stop"):
         if state.parked:
@@ -208,7 +224,7 @@ def reconcile(view: ModelView, max_start_failures: int = DEFAULT_MAX_START_FAILU
 
     # Placement: only while something is meant to run and the job is the current definition.
     failure = None
-    if not state.parked and max(count, desired) > 0 and view.job is not None and job_hash == m.def_hash:
+    if not state.parked and max(count, desired) > 0 and view.job is not None and job_def_hash(view.job) == m.def_hash:
         failure = latest_placement_failure(view.evals, dict(view.job))
     state = state.model_copy(
         update={

@@ -40,11 +40,14 @@ LAZY = SET.models["lazy"]
 NOW = 1_000_000.0
 
 
-def job(model: Any, count: int, def_hash: str | None = None) -> dict[str, Any]:
+def job(
+    model: Any, count: int, def_hash: str | None = None, scaling_max: int | None = None
+) -> dict[str, Any]:
+    scaling = {"Min": 0, "Max": model.replicas_max if scaling_max is None else scaling_max}
     return {
         "ID": model.job_id,
         "Meta": {"llmgw_model": model.name, "llmgw_def_hash": def_hash or model.def_hash},
-        "TaskGroups": [{"Name": "engine", "Count": count, "Tasks": []}],
+        "TaskGroups": [{"Name": "engine", "Count": count, "Scaling": scaling, "Tasks": []}],
     }
 
 
@@ -86,6 +89,16 @@ def test_missing_job_is_registered_at_its_minimum() -> None:
 def test_a_changed_definition_is_registered_again() -> None:
     d = reconcile(view(job=job(KEV, 1, def_hash="old")))
     assert RegisterJob("kev", 1) in d.actions
+
+
+def test_a_raised_replica_maximum_is_registered_again_without_unparking() -> None:
+    # Nomad refuses to scale past the job's scaling maximum, so the job must carry the new one.
+    d = reconcile(view(job=job(KEV, 1, scaling_max=1), allocs=(running("a", 5),), ready=1))
+    assert RegisterJob("kev", 1) in d.actions
+    parked = ModelState(parked=True, parked_def_hash=KEV.def_hash, consecutive_failures=5)
+    d = reconcile(view(job=job(KEV, 0, scaling_max=1), state=parked))
+    assert RegisterJob("kev", 0) in d.actions
+    assert d.state.parked
 
 
 def test_satisfied_model_needs_nothing_and_reads_passing() -> None:
