@@ -240,8 +240,11 @@ class Watcher:
 
     async def _loop(self) -> None:
         while True:
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a cancel that
+            # lands as the event fires, and stop() then waits forever on this task.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout=self.config.tick_s)
+                async with asyncio.timeout(self.config.tick_s):
+                    await self._wake.wait()
             self._wake.clear()
             started = time.monotonic()
             try:

@@ -248,8 +248,11 @@ class Discovery:
         event = self._waiters.get(model)
         if event is None:
             event = self._waiters[model] = asyncio.Event()
+        # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a cancel (a client
+        # that hung up) that lands as the event fires.
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(event.wait(), timeout)
+            async with asyncio.timeout(timeout):
+                await event.wait()
         return bool(self.snapshot.ready.get(model))
 
     async def put_kv(self, key: str, value: str, timeout: float = 5.0) -> None:
@@ -289,6 +292,10 @@ class Discovery:
                     )
                 status.ok = False
                 status.error = message
+                # Start over from a plain read: a Consul that restarted has a lower index, and a
+                # blocking read with the old one would be held for the whole wait (a minute of
+                # stale replicas, found by bench/soak.py).
+                status.index = 0
                 await asyncio.sleep(backoff_delay(failures, cap=BACKOFF_CAP_S))
                 continue
             if not status.ok and status.error:

@@ -125,7 +125,10 @@ class EventBroker:
             yield {}
             while True:
                 try:
-                    item = await asyncio.wait_for(queue.get(), heartbeat_s)
+                    # asyncio.timeout, not wait_for: on Python 3.11 wait_for can drop an item
+                    # (or a cancel) that arrives just as the heartbeat timer fires.
+                    async with asyncio.timeout(heartbeat_s):
+                        item = await queue.get()
                 except TimeoutError:
                     yield {}
                     continue
