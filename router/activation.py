@@ -175,6 +175,10 @@ class Activator:
         window = model.activation_timeout_s
         remaining = window - (time.monotonic() - arrived)
         if remaining > 0 and await self.discovery.wait_ready(model.name, remaining):
+            # Its replica came: the attempt is spent. Reused later, after the watcher scaled
+            # the model back to zero, it would ask Nomad for nothing and wait out the window.
+            if self._attempts.get(model.name) is task:
+                del self._attempts[model.name]
             return
         raise errors.loading(model.name, window, self.retry_after_s)
 
