@@ -1,7 +1,7 @@
 """Soak under faults: steady OpenAI traffic through the router while parts of the stack fail.
 
     .venv/bin/python bench/soak.py [--seconds-per-phase 20] [--clients 4] [--timeout 30]
-        [--idle-timeout 15] [--phases a,b,...] [--no-interrupt] [--state-dir DIR]
+        [--idle-timeout 15] [--phases a,b,...] [--state-dir DIR]
 
 Brings up the dev stack in this process (`devstack.stack.Stack`, as `python -m devstack up
 --tiny` does: a Consul dev agent, the Nomad stand-in on devstack/nodes/small.yaml, two watchers
@@ -623,12 +623,6 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=30.0, help="hard client-side timeout per request")
     ap.add_argument("--recovery", type=float, default=60.0, help="seconds to wait for recovery after a phase")
     ap.add_argument("--idle-timeout", type=int, default=15, help="soak-on-demand's idle_timeout in seconds")
-    ap.add_argument(
-        "--no-interrupt",
-        action="store_true",
-        help="add '--interrupt_requests False' to the engines' args (llama-cpp-python's default cuts "
-        "a stream short when another request reaches the same replica)",
-    )
     ap.add_argument("--ready-timeout", type=float, default=300.0)
     ap.add_argument(
         "--phases", default="", help="comma-separated subset of: " + ",".join(n for n, _ in PHASES)
@@ -639,9 +633,7 @@ def main() -> int:
     state_dir = args.state_dir or Path(tempfile.mkdtemp(prefix="llmgw-soak-"))
     state_dir.mkdir(parents=True, exist_ok=True)
     template = state_dir / "soak-models.yaml"
-    # llama-cpp-python's server interrupts a stream when another request arrives, unless told not to.
-    extra = '\n    args: ["--interrupt_requests", "False"]' if args.no_interrupt else ""
-    template.write_text(TEMPLATE.format(replicas=REPLICAS, idle=args.idle_timeout, args=extra))
+    template.write_text(TEMPLATE.format(replicas=REPLICAS, idle=args.idle_timeout, args=""))
     stack = Stack(UpOptions(state_dir=state_dir, tiny=True, template=template, tour=False), say=say)
 
     def stop(signum: int, frame: object) -> None:

@@ -121,6 +121,9 @@ def _engine_task_config(model: Model, weights: Weights) -> tuple[str, dict[str, 
     if p.engine == "llama-cpp-python":
         args = ["-m", "llama_cpp.server", "--model", weights.model_arg, *listen]
         args += ["--n_ctx", str(p.context), "--model_alias", model.name]
+        # Its server otherwise ends a running stream (with [DONE], no error) whenever another
+        # request arrives: behind a router that balances several clients, most streams break.
+        args += ["--interrupt_requests", "False"]
         if p.gpus > 0:
             args += ["--n_gpu_layers", "-1"]
         if p.chat_format:

@@ -185,6 +185,11 @@ class Watcher:
         self.models: dict[str, Model] = {}
         self.definitions_problem = ""
         self._models_index = -1
+        # The last good models file, to put back if the key disappears (a Consul that lost its
+        # data): without it the routers forget every model and answer 404 until someone
+        # re-applies, while the watchers still know exactly what was defined.
+        self._models_text = b""
+        self._definitions_missing = False
         self.decisions: dict[str, Decision] = {}
         self.views: dict[str, ModelView] = {}
         self.passes = 0
@@ -272,7 +277,9 @@ class Watcher:
                 log.warning(
                     "event=definitions_missing key=%s keeping=%d", CONFIG_MODELS_KEY, len(self.models)
                 )
+                self._definitions_missing = True
             return
+        self._definitions_missing = False
         try:
             parsed = parse_models(
                 entry.value.decode("utf-8", errors="replace"), f"consul:{CONFIG_MODELS_KEY}"
@@ -284,6 +291,7 @@ class Watcher:
             return
         self.definitions_problem = ""
         self.models = dict(parsed.models)
+        self._models_text = entry.value
         log.info("event=definitions_loaded models=%d", len(self.models))
 
     def _state_for(self, model: str, kv: Mapping[str, KVEntry]) -> tuple[ModelState | None, int, str]:
@@ -371,6 +379,18 @@ class Watcher:
 
     # The pass
 
+    async def _restore_definitions(self) -> None:
+        # cas=0 writes only if the key is still absent, so an operator's apply in the meantime
+        # always wins over this copy.
+        try:
+            restored = await self.consul.kv_put(CONFIG_MODELS_KEY, self._models_text, cas=0)
+        except ConsulError as exc:
+            log.warning("event=definitions_restore_failed key=%s error=%r", CONFIG_MODELS_KEY, str(exc))
+            return
+        self._definitions_missing = False
+        if restored:
+            log.warning("event=definitions_restored key=%s models=%d", CONFIG_MODELS_KEY, len(self.models))
+
     async def run_pass(self) -> None:
         views = self.build_views()
         decisions = {name: reconcile(v, self.config.max_start_failures) for name, v in views.items()}
@@ -388,6 +408,8 @@ class Watcher:
         self.passes += 1
         if not self.leadership.is_leader or not self.ready_to_act():
             return
+        if self._definitions_missing and self._models_text:
+            await self._restore_definitions()
         async with self._apply_lock:
             for d in decisions.values():
                 self._log_placement(d)

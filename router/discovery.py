@@ -347,6 +347,15 @@ class Discovery:
         self._publish(replace(self.snapshot, states=parse_states(body)))
 
     def _apply_models(self, body: Any) -> None:
+        if body is None and self.snapshot.models and self.snapshot.models_origin.startswith("consul:"):
+            # The key vanished (a Consul that lost its data): keep routing on what was defined
+            # rather than answer 404 for every model; the leading watcher writes it back.
+            # Removing models is done by applying a file without them, not by deleting the key.
+            error = f"consul:{CONFIG_MODELS_KEY} is missing; keeping the {len(self.snapshot.models)} definitions last read"
+            if self.snapshot.models_error != error:
+                log.warning(error)
+            self._publish(replace(self.snapshot, models_error=error))
+            return
         if body is None:
             models, origin, error = self._models_from_file()
             self._publish(replace(self.snapshot, models=models, models_origin=origin, models_error=error))

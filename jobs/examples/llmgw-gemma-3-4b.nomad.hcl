@@ -85,6 +85,8 @@ job "llmgw-gemma-3-4b" {
           "8192",
           "--model_alias",
           "gemma-3-4b",
+          "--interrupt_requests",
+          "False",
           "--n_gpu_layers",
           "-1",
           "--chat_format",
