@@ -15,13 +15,11 @@ from nomad_driver.reconcile import (
 )
 from nomad_driver.spec import parse_models
 from nomad_driver.state import ModelState
+from tests.watcher_support import BARE_CPU_PROFILE
 
-MODELS = """
-profiles:
-  cpu:
-    engine: llama-cpp-python
-    engine_version: 0.3.36
-    gpus: 0
+MODELS = (
+    BARE_CPU_PROFILE
+    + """
 models:
   kev:
     source: file:///tmp/kev.gguf
@@ -34,6 +32,7 @@ models:
     replicas: {min: 0, max: 2}
     idle_timeout: 10m
 """
+)
 SET = parse_models(MODELS, "test")
 KEV = SET.models["kev"]
 LAZY = SET.models["lazy"]

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 
 import httpx
 import pytest
@@ -17,34 +16,21 @@ from nomad_driver.nomad import Nomad
 from nomad_driver.spec import parse_models
 from nomad_driver.state import CONFIG_MODELS_KEY, ModelState, parse_state, state_key
 from nomad_driver.watcher import Watcher, WatcherConfig
+from tests.watcher_support import BARE_CPU_PROFILE, until
 
 pytestmark = pytest.mark.timeout(120)
 
-MODELS = """
-profiles:
-  cpu:
-    engine: llama-cpp-python
-    engine_version: 0.3.36
-    gpus: 0
+MODELS = (
+    BARE_CPU_PROFILE
+    + """
 models:
   kev:
     source: file:///tmp/kev.gguf
     profile: cpu
     replicas: {min: 1, max: 2}
 """
+)
 KEV_HASH = parse_models(MODELS, "test").models["kev"].def_hash
-
-
-async def until(cond: Callable[[], bool | Awaitable[bool]], timeout: float, what: str) -> None:
-    start = time.monotonic()
-    while time.monotonic() - start < timeout:
-        result = cond()
-        if not isinstance(result, bool):
-            result = await result
-        if result:
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def make_watcher(url: str, ident: str, port: int) -> Watcher:
@@ -62,10 +48,13 @@ async def two_watchers(consul_url: str) -> AsyncIterator[tuple[Watcher, Watcher]
     await a.start()
     await b.start()
     try:
-        await until(lambda: a.leadership.is_leader or b.leadership.is_leader, 20, "a leader")
-        await until(lambda: "kev" in a.decisions and "kev" in b.decisions, 20, "first passes")
+        await until(lambda: a.leadership.is_leader or b.leadership.is_leader, 20, "a leader", every=0.05)
+        await until(lambda: "kev" in a.decisions and "kev" in b.decisions, 20, "first passes", every=0.05)
         await until(
-            lambda: a.leadership.leader is not None and b.leadership.leader is not None, 20, "leader known"
+            lambda: a.leadership.leader is not None and b.leadership.leader is not None,
+            20,
+            "leader known",
+            every=0.05,
         )
         yield (a, b) if a.leadership.is_leader else (b, a)
     finally:
@@ -91,7 +80,7 @@ async def test_nomad_down_parks_nothing_and_is_logged_once_per_outage(
     w = make_watcher(consul_url, "solo", 4703)
     await w.start()
     try:
-        await until(lambda: w.leadership.is_leader and w.passes > 3, 20, "leading and passing")
+        await until(lambda: w.leadership.is_leader and w.passes > 3, 20, "leading and passing", every=0.05)
         await asyncio.sleep(3)
         _, entries = await consul.kv_get(state_key("kev"))
         after = parse_state("k", entries[0].value)
@@ -142,4 +131,4 @@ async def test_retry_on_the_leader_unparks_through_a_fenced_write(
     _, entries = await leader.consul.kv_get(state_key("kev"))
     state = parse_state("k", entries[0].value)
     assert not state.parked and state.consecutive_failures == 0
-    await until(lambda: not follower.decisions["kev"].state.parked, 10, "follower sees the retry")
+    await until(lambda: not follower.decisions["kev"].state.parked, 10, "follower sees the retry", every=0.05)

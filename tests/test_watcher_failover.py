@@ -18,31 +18,13 @@ import pytest
 import requests
 
 from devstack.ports import free_port
-from nomad_driver.render import render_job
 from nomad_driver.spec import parse_models
 from nomad_driver.state import CONFIG_MODELS_KEY, parse_state, state_key
+from tests.watcher_support import CRASH_AND_IDLE_MODELS, mock_job
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 
 TTL_S = 10
-MODELS = """
-profiles:
-  cpu:
-    engine: llama-cpp-python
-    engine_version: 0.3.36
-    gpus: 0
-    cpu_mhz: 500
-    memory_mib: 512
-models:
-  crash:
-    source: file:///tmp/crash.gguf
-    profile: cpu
-    replicas: {min: 1, max: 1}
-  idle:
-    source: file:///tmp/idle.gguf
-    profile: cpu
-    replicas: {min: 0, max: 1}
-"""
 
 
 def wait_for(cond: Callable[[], Any], timeout: float, what: str) -> Any:
@@ -64,13 +46,10 @@ def watchers(consul_url: str, tmp_path: Path, start_standin: Callable[..., Any])
     procs: list[tuple[subprocess.Popen[bytes], str]] = []
     env = dict(os.environ, CONSUL_HTTP_ADDR=consul_url, NOMAD_ADDR=standin.url)
     env.pop("LLMGW_ADMIN_TOKEN", None)
-    model = parse_models(MODELS).models["crash"]
-    job = render_job(model)
-    task = job["TaskGroups"][0]["Tasks"][0]
-    task.update(Driver="mock_driver", Config={"run_for": "1s", "exit_code": 1})
-    task.pop("Artifacts", None)
+    model = parse_models(CRASH_AND_IDLE_MODELS).models["crash"]
+    job = mock_job(model, run_for="1s", exit_code=1)
     pyconsul.Consul(host="127.0.0.1", port=int(consul_url.rsplit(":", 1)[1])).kv.put(
-        CONFIG_MODELS_KEY, MODELS
+        CONFIG_MODELS_KEY, CRASH_AND_IDLE_MODELS
     )
     requests.post(f"{standin.url}/v1/job/{job['ID']}", json={"Job": job}, timeout=10).raise_for_status()
     for i in range(2):

@@ -24,9 +24,9 @@ from nomad_driver.admin import create_app, model_status
 from nomad_driver.consul import Consul
 from nomad_driver.nomad import Nomad
 from nomad_driver.spec import parse_models
-from nomad_driver.state import CONFIG_MODELS_KEY, parse_state, state_key
-from nomad_driver.watcher import Watcher, WatcherConfig
-from tests.test_watcher_nomad import engines_dir, mock_job, models_text, node, until
+from nomad_driver.state import parse_state, state_key
+from nomad_driver.watcher import Watcher
+from tests.watcher_support import engines_dir, mock_job, models_text, node, until, watcher_on_standin
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 
@@ -89,12 +89,9 @@ async def world_factory(
     made: list[World] = []
 
     async def make(text: str, nodes: Any = None, clock_speed: float = 10.0) -> World:
-        standin = start_standin(clock_speed=clock_speed, **({"nodes": nodes} if nodes is not None else {}))
-        consul = Consul(consul_url)
-        await consul.kv_put(CONFIG_MODELS_KEY, text)
-        nomad = Nomad(standin.url)
-        config = WatcherConfig(wait_s=10, lock_delay_s=0.5, tick_s=0.5)
-        watcher = Watcher(Consul(consul_url), nomad, config, ident="metrics")
+        _, consul, nomad, watcher = await watcher_on_standin(
+            consul_url, start_standin, text, ident="metrics", clock_speed=clock_speed, nodes=nodes
+        )
         http = httpx.AsyncClient(
             transport=httpx.ASGITransport(app=create_app(watcher)), base_url="http://admin"
         )

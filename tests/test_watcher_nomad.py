@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -16,65 +14,20 @@ import pytest
 
 from nomad_driver.consul import Consul
 from nomad_driver.nomad import Nomad
-from nomad_driver.render import render_job
-from nomad_driver.spec import Model, parse_models
-from nomad_driver.state import CONFIG_MODELS_KEY, ModelState, parse_state, state_key
-from nomad_driver.watcher import Watcher, WatcherConfig
+from nomad_driver.spec import parse_models
+from nomad_driver.state import CONFIG_MODELS_KEY, ModelState
+from nomad_driver.watcher import Watcher
+from tests.watcher_support import (
+    engines_dir,
+    mock_job,
+    models_text,
+    node,
+    read_state,
+    until,
+    watcher_on_standin,
+)
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
-
-PROFILES = """
-profiles:
-  cpu:
-    engine: llama-cpp-python
-    engine_version: 0.3.36
-    gpus: 0
-    cpu_mhz: 500
-    memory_mib: 512
-    context: 256
-  huge:
-    engine: llama-cpp-python
-    engine_version: 0.3.36
-    gpus: 2
-    gpu_memory_mib: 81920
-    cpu_mhz: 500
-    memory_mib: 512
-"""
-
-
-def models_text(**models: tuple[str, str, int]) -> str:
-    lines = [PROFILES, "models:"]
-    for name, (source, profile, minimum) in models.items():
-        lines += [
-            f"  {name}:",
-            f"    source: {source}",
-            f"    profile: {profile}",
-            f"    replicas: {{min: {minimum}, max: 2}}",
-        ]
-    return "\n".join(lines) + "\n"
-
-
-async def until(cond: Callable[[], Any], timeout: float, what: str, every: float = 0.1) -> Any:
-    start = time.monotonic()
-    while time.monotonic() - start < timeout:
-        result = cond()
-        if isinstance(result, Awaitable):
-            result = await result
-        if result:
-            return result
-        await asyncio.sleep(every)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-
-
-def mock_job(model: Model, count: int, **config: Any) -> dict[str, Any]:
-    """The rendered job, with its engine swapped for Nomad's mock driver."""
-    job = render_job(model)
-    task = job["TaskGroups"][0]["Tasks"][0]
-    task["Driver"] = "mock_driver"
-    task["Config"] = config
-    task.pop("Artifacts", None)
-    job["TaskGroups"][0]["Count"] = count
-    return job
 
 
 def starts(nomad: Nomad, job_id: str) -> tuple[int, int]:
@@ -99,11 +52,6 @@ def terminated(nomad: Nomad, job_id: str) -> int:
     )
 
 
-async def read_state(consul: Consul, model: str) -> ModelState | None:
-    _, entries = await consul.kv_get(state_key(model))
-    return parse_state("k", entries[0].value) if entries else None
-
-
 class World:
     def __init__(self, consul: Consul, nomad: Nomad, watcher: Watcher, standin: Any) -> None:
         self.consul, self.nomad, self.watcher, self.standin = consul, nomad, watcher, standin
@@ -123,12 +71,9 @@ async def world_factory(
     made: list[World] = []
 
     async def make(text: str, nodes: Any = None, clock_speed: float = 20.0) -> World:
-        standin = start_standin(clock_speed=clock_speed, **({"nodes": nodes} if nodes is not None else {}))
-        consul = Consul(consul_url)
-        await consul.kv_put(CONFIG_MODELS_KEY, text)
-        nomad = Nomad(standin.url)
-        config = WatcherConfig(wait_s=10, lock_delay_s=0.5, tick_s=0.5)
-        watcher = Watcher(Consul(consul_url), nomad, config, ident="w1")
+        standin, consul, nomad, watcher = await watcher_on_standin(
+            consul_url, start_standin, text, ident="w1", clock_speed=clock_speed, nodes=nodes
+        )
         world = World(consul, nomad, watcher, standin)
         made.append(world)
         return world
@@ -183,31 +128,6 @@ async def test_a_model_that_exits_1_is_parked_after_exactly_five_start_failures(
     after = await world.state("crash")
     assert after is not None and not after.parked
     await until(lambda: starts(world.nomad, model.job_id)[1] > started, 30, "a new start after retry")
-
-
-def engines_dir(tmp_path: Path) -> Path:
-    """`<dir>/llama-cpp-python/0.3.36/bin/python` as a node expects it: the version directory is
-    this virtualenv itself, since a symlink to its python alone would lose the venv (Python finds
-    pyvenv.cfg next to the path it was started by) and with it llama_cpp."""
-    root = tmp_path / "engines"
-    (root / "llama-cpp-python").mkdir(parents=True)
-    os.symlink(sys.prefix, root / "llama-cpp-python" / "0.3.36")
-    return root
-
-
-def node(name: str, engines: Path, gpus: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    return {
-        "name": name,
-        "datacenter": "dc1",
-        "node_class": "cpu",
-        "cpu_mhz": 16000,
-        "cpu_cores": 8,
-        "memory_mib": 65536,
-        "disk_mb": 100000,
-        "attributes": {"driver.raw_exec": "1", "driver.mock_driver": "1"},
-        "meta": {"llmgw_engines_dir": str(engines), "llmgw_engine_llama_cpp_python": "0.3.36"},
-        "gpus": gpus or [],
-    }
 
 
 async def test_an_unknown_architecture_is_parked_with_the_engines_own_error_and_a_new_source_unparks(

@@ -155,3 +155,24 @@ def wait_until(what: str, check: Any, timeout: float = 60.0, interval: float = 0
                 return last
         time.sleep(interval)
     raise AssertionError(f"{what}: not within {timeout:.0f}s; last seen: {last!r}")
+
+
+def descendants(root: int) -> set[int]:
+    """Every process below `root`, read from /proc: what a stack started, to check none survives."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry.name))
+    found: set[int] = set()
+    todo = [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found

@@ -23,7 +23,7 @@ import pytest
 
 from devstack import processes
 from devstack.fleet import big_gpu_node
-from tests.e2e.conftest import DevStack, wait_until
+from tests.e2e.conftest import DevStack, descendants, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -228,29 +228,9 @@ def test_on_demand_model_starts_on_its_first_request(devstack_tiny: DevStack) ->
 # ----- the stack itself ------------------------------------------------------------------------
 
 
-def _descendants(root: int) -> set[int]:
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(entry.name))
-    found: set[int] = set()
-    todo = [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            if child not in found:
-                found.add(child)
-                todo.append(child)
-    return found
-
-
 def test_devstack_down_leaves_no_process_behind(devstack_tiny: DevStack) -> None:
     stack = devstack_tiny
-    started = _descendants(stack.process.pid)
+    started = descendants(stack.process.pid)
     for child in stack.state()["children"]:
         started |= set(processes.group_members(int(child["pid"])))
     # Consul, the stand-in, two watchers, a router and the engines of gemma and phi-4 at least.

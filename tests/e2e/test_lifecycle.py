@@ -12,29 +12,9 @@ from pathlib import Path
 import pytest
 
 from devstack import lifetime, processes
-from tests.e2e.conftest import REPO, wait_until
+from tests.e2e.conftest import REPO, descendants, wait_until
 
 pytestmark = pytest.mark.slow
-
-
-def descendants(root: int) -> set[int]:
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(entry.name))
-    found: set[int] = set()
-    todo = [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            if child not in found:
-                found.add(child)
-                todo.append(child)
-    return found
 
 
 def test_ctrl_c_during_start_up_stops_everything_started_so_far(tmp_path: Path) -> None:

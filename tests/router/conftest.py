@@ -4,6 +4,9 @@ engine job (service `llmgw-engine`, tag and meta `model`, an HTTP check on `/v1/
 
 from __future__ import annotations
 
+import datetime as dt
+import ipaddress
+import json
 import subprocess
 import sys
 import threading
@@ -16,6 +19,10 @@ from typing import Any
 import httpx
 import pytest
 import uvicorn
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 
 from devstack import lifetime
 from devstack.ports import free_port
@@ -251,9 +258,44 @@ def put_kv(consul_url: str, key: str, value: str | bytes) -> None:
     httpx.put(f"{consul_url}/v1/kv/{key}", content=value, timeout=5).raise_for_status()
 
 
+def put_state(consul_url: str, model: str, **state: Any) -> None:
+    """A model's state record in KV, as the watcher writes it (`parked`, `last_error`, ...)."""
+    put_kv(consul_url, f"llmgw/state/{model}", json.dumps(state))
+
+
 def get_kv(consul_url: str, key: str) -> str | None:
     resp = httpx.get(f"{consul_url}/v1/kv/{key}", params={"raw": "true"}, timeout=5)
     if resp.status_code == 404:
         return None
     resp.raise_for_status()
     return resp.text
+
+
+def write_self_signed(directory: Path, days: int = 1) -> tuple[Path, Path, float]:
+    """A self-signed certificate for 127.0.0.1 (usable as its own CA) and its key, written as
+    router.crt and router.key: (certificate, key, expiry as a Unix time)."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = dt.datetime.now(dt.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=1))
+        .not_valid_after(now + dt.timedelta(days=days))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False
+        )
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_path, key_path = directory / "router.crt", directory / "router.key"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    )
+    return cert_path, key_path, cert.not_valid_after_utc.timestamp()

@@ -6,21 +6,26 @@ from __future__ import annotations
 import itertools
 import json
 import time
+from typing import Any
 
 import httpx
 import pytest
 
 from router.config import Limits
 from tests.router.conftest import (
+    RunningRouter,
     StartRouter,
     StartStub,
     fail_check,
     get_kv,
     put_kv,
+    put_state,
     register_replica,
     wait_until,
 )
 
+# What llama.cpp says of kev-0.5b's GGUF: the error a parked kev-0.5b carries in these tests.
+KEV_ERROR = "unknown model architecture: 'kev'"
 MODELS_YAML = """
 profiles:
   tiny:
@@ -162,13 +167,7 @@ def test_a_parked_model_is_refused_at_once_with_its_last_error(
     consul_url: str, start_router: StartRouter
 ) -> None:
     put_kv(consul_url, "llmgw/config/models", MODELS_YAML)
-    put_kv(
-        consul_url,
-        "llmgw/state/kev-0.5b",
-        json.dumps(
-            {"parked": True, "consecutive_failures": 5, "last_error": "unknown model architecture: 'kev'"}
-        ),
-    )
+    put_state(consul_url, "kev-0.5b", parked=True, consecutive_failures=5, last_error=KEV_ERROR)
     router = start_router(consul_url, activation=True)
     wait_until(lambda: "kev-0.5b" in router.app.discovery.snapshot.states, 10, "the parked state")
 
@@ -193,17 +192,12 @@ def test_the_model_list_shows_every_defined_model_with_its_state(
     consul_url: str, stub_engine: StartStub, start_router: StartRouter
 ) -> None:
     put_kv(consul_url, "llmgw/config/models", MODELS_YAML)
-    put_kv(
+    put_state(consul_url, "kev-0.5b", parked=True, consecutive_failures=5, last_error=KEV_ERROR)
+    put_state(
         consul_url,
-        "llmgw/state/kev-0.5b",
-        json.dumps(
-            {"parked": True, "consecutive_failures": 5, "last_error": "unknown model architecture: 'kev'"}
-        ),
-    )
-    put_kv(
-        consul_url,
-        "llmgw/state/phi-4",
-        json.dumps({"unplaceable": True, "placement_reason": "no node has 1 x nvidia/gpu with >= 80000 MiB"}),
+        "phi-4",
+        unplaceable=True,
+        placement_reason="no node has 1 x nvidia/gpu with >= 80000 MiB",
     )
     stub = stub_engine("r1")
     register_replica(consul_url, "alpha", stub.port, "alpha-1")
@@ -350,14 +344,23 @@ def _converse(router_url: str, opening: str, conv: int, turns: int) -> list[str]
     return served
 
 
+def three_alpha_replicas(
+    consul_url: str, stub_engine: StartStub, start_router: StartRouter, **stub: Any
+) -> RunningRouter:
+    """A router that sees three ready replicas of `alpha` (alpha-0..2), stub engines with `stub`'s
+    options."""
+    for i in range(3):
+        engine = stub_engine(f"r{i}", **stub)
+        register_replica(consul_url, "alpha", engine.port, f"alpha-{i}")
+    router = start_router(consul_url)
+    router.wait_ready("alpha", 3)
+    return router
+
+
 def test_each_conversation_stays_on_one_replica_and_conversations_spread_over_replicas(
     consul_url: str, stub_engine: StartStub, start_router: StartRouter
 ) -> None:
-    for i in range(3):
-        stub = stub_engine(f"r{i}")
-        register_replica(consul_url, "alpha", stub.port, f"alpha-{i}")
-    router = start_router(consul_url)
-    router.wait_ready("alpha", 3)
+    router = three_alpha_replicas(consul_url, stub_engine, start_router)
 
     conversations: dict[int, list[str]] = {c: [] for c in range(9)}
     for turn in range(4):
@@ -377,11 +380,7 @@ def test_under_concurrent_load_affinity_holds_while_load_stays_balanced(
     """Nine conversations at once, all sharing one long system prompt, on replicas that take
     0.2 s an answer: the system prompt alone must not pile them onto one replica, and each
     conversation should still mostly stay where its history is."""
-    for i in range(3):
-        stub = stub_engine(f"r{i}", delay=0.2)
-        register_replica(consul_url, "alpha", stub.port, f"alpha-{i}")
-    router = start_router(consul_url)
-    router.wait_ready("alpha", 3)
+    router = three_alpha_replicas(consul_url, stub_engine, start_router, delay=0.2)
     system = "You are the support assistant for ACME's billing system. Answer briefly. " * 6
 
     from concurrent.futures import ThreadPoolExecutor
@@ -401,11 +400,7 @@ def test_under_concurrent_load_affinity_holds_while_load_stays_balanced(
 def test_a_session_header_pins_a_conversation(
     consul_url: str, stub_engine: StartStub, start_router: StartRouter
 ) -> None:
-    for i in range(3):
-        stub = stub_engine(f"r{i}")
-        register_replica(consul_url, "alpha", stub.port, f"alpha-{i}")
-    router = start_router(consul_url)
-    router.wait_ready("alpha", 3)
+    router = three_alpha_replicas(consul_url, stub_engine, start_router)
     served = {
         httpx.post(
             f"{router.url}/v1/chat/completions",

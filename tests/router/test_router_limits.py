@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import datetime as dt
-import ipaddress
 import json
 import os
 import signal
@@ -15,17 +13,13 @@ from pathlib import Path
 
 import httpx
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 from typer.testing import CliRunner
 
 from devstack import lifetime
 from devstack.ports import free_port
 from nomad_driver.cli import app as cli_app
 from router.config import ConfigError, Timeouts, load_api_keys, normalise_addr, parse_listen
-from tests.router.conftest import StartRouter, StartStub, register_replica, wait_until
+from tests.router.conftest import StartRouter, StartStub, register_replica, wait_until, write_self_signed
 
 
 def chat(model: str = "alpha", **extra: object) -> dict[str, object]:
@@ -74,7 +68,7 @@ def test_too_many_headers_is_431(consul_url: str, start_router: StartRouter) -> 
 def test_the_router_serves_https_when_given_a_certificate(
     tmp_path: Path, consul_url: str, stub_engine: StartStub, start_router: StartRouter
 ) -> None:
-    cert, key = self_signed(tmp_path)
+    cert, key, _ = write_self_signed(tmp_path)
     stub = stub_engine("r1")
     register_replica(consul_url, "alpha", stub.port, "alpha-1")
     router = start_router(consul_url, tls_cert=str(cert), tls_key=str(key))
@@ -89,34 +83,6 @@ def test_the_router_serves_https_when_given_a_certificate(
     assert resp.status_code == 200, resp.text
     with pytest.raises(httpx.HTTPError):
         httpx.post(router.url.replace("https", "http") + "/v1/chat/completions", json=chat(), timeout=5)
-
-
-def self_signed(directory: Path) -> tuple[Path, Path]:
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
-    now = dt.datetime.now(dt.UTC)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - dt.timedelta(minutes=1))
-        .not_valid_after(now + dt.timedelta(days=1))
-        .add_extension(
-            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False
-        )
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
-        .sign(key, hashes.SHA256())
-    )
-    cert_path, key_path = directory / "router.crt", directory / "router.key"
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-        )
-    )
-    return cert_path, key_path
 
 
 def test_api_keys_come_from_a_file_and_the_environment(tmp_path: Path) -> None:

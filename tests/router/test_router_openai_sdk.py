@@ -3,13 +3,19 @@ client sees for answers, streams, refusals and failures, and how often it asks."
 
 from __future__ import annotations
 
-import json
-
 import openai
 import pytest
 
-from tests.router.conftest import RunningRouter, StartRouter, StartStub, put_kv, register_replica, wait_until
-from tests.router.test_router_api import MODELS_YAML
+from tests.router.conftest import (
+    RunningRouter,
+    StartRouter,
+    StartStub,
+    put_kv,
+    put_state,
+    register_replica,
+    wait_until,
+)
+from tests.router.test_router_api import KEV_ERROR, MODELS_YAML
 
 
 def client(router: RunningRouter, **kw: object) -> openai.OpenAI:
@@ -83,13 +89,7 @@ def test_a_parked_model_is_refused_once_and_the_sdk_does_not_retry(
     consul_url: str, start_router: StartRouter
 ) -> None:
     put_kv(consul_url, "llmgw/config/models", MODELS_YAML)
-    put_kv(
-        consul_url,
-        "llmgw/state/kev-0.5b",
-        json.dumps(
-            {"parked": True, "consecutive_failures": 5, "last_error": "unknown model architecture: 'kev'"}
-        ),
-    )
+    put_state(consul_url, "kev-0.5b", parked=True, consecutive_failures=5, last_error=KEV_ERROR)
     router = start_router(consul_url)
     router.wait_ready("kev-0.5b", 0)
     wait_until(lambda: "kev-0.5b" in router.app.discovery.snapshot.states, 10, "the parked state")
@@ -108,7 +108,7 @@ def test_an_unplaceable_model_is_refused_once_with_nomads_reason(
 ) -> None:
     put_kv(consul_url, "llmgw/config/models", MODELS_YAML)
     reason = "no node has 1 x nvidia/gpu with >= 80000 MiB; 4 nodes evaluated, 4 exhausted on devices"
-    put_kv(consul_url, "llmgw/state/phi-4", json.dumps({"unplaceable": True, "placement_reason": reason}))
+    put_state(consul_url, "phi-4", unplaceable=True, placement_reason=reason)
     # Without Nomad to ask again, the watcher's last answer is the one given.
     router = start_router(consul_url, activation=False)
     wait_until(lambda: "phi-4" in router.app.discovery.snapshot.states, 10, "the unplaceable state")

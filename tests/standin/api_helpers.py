@@ -5,12 +5,16 @@ scheduler (which answers a register at once and places a moment later). The comm
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
 import nomad
 import yaml
+
+from devstack.nomad.nodes import node_from_spec
+from devstack.nomad.server import NomadServer
 
 T = TypeVar("T")
 SECOND = 1_000_000_000
@@ -99,3 +103,17 @@ def eval_done(client: nomad.Nomad, eval_id: str, timeout: float = 10.0) -> dict[
 
 def live_allocs(client: nomad.Nomad, job_id: str) -> list[dict[str, Any]]:
     return [a for a in client.job.get_allocations(job_id) if a["DesiredStatus"] == "run"]
+
+
+@asynccontextmanager
+async def tiny_server(tmp_path: Path, count: int) -> AsyncIterator[NomadServer]:
+    """An in-process stand-in server (no HTTP, no client) with `count` tiny nodes named tiny-<i>;
+    its scheduler stopped on the way out."""
+    nodes = [node_from_spec(tiny_node(f"tiny-{i}")) for i in range(count)]
+    srv = NomadServer(nodes, None, tmp_path)
+    for node in nodes:
+        srv.store.upsert_node(node)
+    try:
+        yield srv
+    finally:
+        await srv.scheduler.stop()

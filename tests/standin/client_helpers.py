@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
+from devstack.nomad.client import ClientRunner
+from devstack.nomad.clock import Clock
 from devstack.nomad.state import StateStore
 from devstack.processes import alive
 
@@ -153,6 +157,31 @@ def add_alloc(store: StateStore, alloc: Json) -> str:
     return str(alloc["ID"])
 
 
+@asynccontextmanager
+async def running_client(
+    store: StateStore,
+    data_dir: Path,
+    *,
+    clock_speed: float,
+    consul_url: str | None = None,
+    on_update: Callable[[Json], None] | None = None,
+) -> AsyncIterator[ClientRunner]:
+    """A ClientRunner on `store` whose clock runs `clock_speed` times real time; shut down (its
+    tasks killed) on the way out."""
+    client = ClientRunner(store, Clock(speed=clock_speed), data_dir, consul_url, on_update)
+    try:
+        yield client
+    finally:
+        await client.shutdown()
+
+
+def start_alloc(store: StateStore, client: ClientRunner, job: Json, **alloc_kw: Any) -> str:
+    """Place one allocation of `job` (make_alloc's keywords) and have the client start it."""
+    alloc_id = add_alloc(store, make_alloc(job, **alloc_kw))
+    client.start_alloc(alloc_id)
+    return alloc_id
+
+
 async def wait_alloc(
     store: StateStore, alloc_id: str, predicate: Callable[[Json], bool], timeout: float = 30.0
 ) -> Json:
@@ -174,6 +203,10 @@ async def wait_alloc(
 
 def task_state(alloc: Json, task: str = "engine") -> Json:
     return (alloc.get("TaskStates") or {}).get(task) or {}
+
+
+def dead(alloc: Json) -> bool:
+    return task_state(alloc).get("State") == "dead"
 
 
 def event_types(alloc: Json, task: str = "engine") -> list[str]:

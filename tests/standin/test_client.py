@@ -23,20 +23,20 @@ from devstack.nomad.taskenv import TaskEnv
 from devstack.nomad.taskstate import RestartTracker
 from devstack.processes import alive
 from tests.standin.client_helpers import (
-    add_alloc,
+    Json,
     all_gone,
+    dead,
     event_types,
     events_of,
-    make_alloc,
     make_job,
     new_store,
     raw_exec_task,
     restart_policy,
+    running_client,
+    start_alloc,
     task_state,
     wait_alloc,
 )
-
-Json = dict[str, Any]
 
 
 @dataclass
@@ -47,9 +47,7 @@ class Harness:
     updates: list[Json] = field(default_factory=list)
 
     def run(self, job: Json, **alloc_kw: Any) -> str:
-        alloc_id = add_alloc(self.store, make_alloc(job, **alloc_kw))
-        self.client.start_alloc(alloc_id)
-        return alloc_id
+        return start_alloc(self.store, self.client, job, **alloc_kw)
 
     def script(self, name: str, body: str) -> str:
         path = self.tmp / name
@@ -66,15 +64,8 @@ def no_jitter(monkeypatch: pytest.MonkeyPatch) -> None:
 async def harness(tmp_path: Path) -> AsyncIterator[Harness]:
     store = new_store()
     updates: list[Json] = []
-    client = ClientRunner(store, Clock(speed=50), tmp_path / "data", None, updates.append)
-    try:
+    async with running_client(store, tmp_path / "data", clock_speed=50, on_update=updates.append) as client:
         yield Harness(store, client, tmp_path, updates)
-    finally:
-        await client.shutdown()
-
-
-def dead(alloc: Json) -> bool:
-    return task_state(alloc).get("State") == "dead"
 
 
 REPORT = """

@@ -21,6 +21,7 @@ from devstack.ports import free_port
 from tests.fixtures.engines import MakeGguf, require_llama_cpp
 from tests.standin.client_helpers import (
     SECOND,
+    Json,
     add_alloc,
     events_of,
     make_alloc,
@@ -28,11 +29,11 @@ from tests.standin.client_helpers import (
     new_store,
     raw_exec_task,
     restart_policy,
+    running_client,
+    start_alloc,
     task_state,
     wait_alloc,
 )
-
-Json = dict[str, Any]
 
 
 @dataclass
@@ -42,19 +43,14 @@ class Harness:
     consul: pyconsul.Consul
 
     def run(self, job: Json, **alloc_kw: Any) -> str:
-        alloc_id = add_alloc(self.store, make_alloc(job, **alloc_kw))
-        self.client.start_alloc(alloc_id)
-        return alloc_id
+        return start_alloc(self.store, self.client, job, **alloc_kw)
 
 
 @pytest.fixture
 async def harness(tmp_path: Path, consul: pyconsul.Consul, consul_url: str) -> AsyncIterator[Harness]:
     store = new_store()
-    client = ClientRunner(store, Clock(speed=10), tmp_path / "data", consul_url)
-    try:
+    async with running_client(store, tmp_path / "data", clock_speed=10, consul_url=consul_url) as client:
         yield Harness(store, client, consul)
-    finally:
-        await client.shutdown()
 
 
 async def eventually(check: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:

@@ -7,7 +7,6 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -16,7 +15,9 @@ from devstack.nomad.clock import Clock
 from devstack.nomad.state import StateStore
 from devstack.nomad.taskstate import RestartTracker, go_duration
 from tests.standin.client_helpers import (
+    Json,
     add_alloc,
+    dead,
     event_types,
     events_of,
     make_alloc,
@@ -24,11 +25,11 @@ from tests.standin.client_helpers import (
     mock_task,
     new_store,
     restart_policy,
+    running_client,
+    start_alloc,
     task_state,
     wait_alloc,
 )
-
-Json = dict[str, Any]
 
 
 @dataclass
@@ -48,21 +49,12 @@ def no_jitter(monkeypatch: pytest.MonkeyPatch) -> None:
 async def harness(tmp_path: Path) -> AsyncIterator[Harness]:
     store = new_store()
     updates: list[Json] = []
-    client = ClientRunner(store, Clock(speed=100), tmp_path / "data", None, updates.append)
-    try:
+    async with running_client(store, tmp_path / "data", clock_speed=100, on_update=updates.append) as client:
         yield Harness(store, client, updates)
-    finally:
-        await client.shutdown()
 
 
 def run(h: Harness, job: Json) -> str:
-    alloc_id = add_alloc(h.store, make_alloc(job))
-    h.client.start_alloc(alloc_id)
-    return alloc_id
-
-
-def dead(alloc: Json) -> bool:
-    return task_state(alloc).get("State") == "dead"
+    return start_alloc(h.store, h.client, job)
 
 
 async def test_batch_task_that_exits_zero_completes_the_alloc(harness: Harness) -> None:

@@ -16,7 +16,6 @@ import nomad
 import pytest
 
 from devstack.nomad.encode import parse_rfc3339_ns, rfc3339
-from devstack.nomad.nodes import node_from_spec
 from devstack.nomad.reconcile import next_delay, reschedule_eligible
 from devstack.nomad.server import NomadServer
 from tests.fixtures.nomad import StandIn
@@ -27,6 +26,7 @@ from tests.standin.api_helpers import (
     mock_job,
     tiny_fleet,
     tiny_node,
+    tiny_server,
     wait_for,
 )
 
@@ -35,14 +35,8 @@ Json = dict[str, Any]
 
 @pytest.fixture
 async def server(tmp_path: Path) -> AsyncIterator[NomadServer]:
-    nodes = [node_from_spec(tiny_node(f"tiny-{i}")) for i in range(2)]
-    srv = NomadServer(nodes, None, tmp_path)
-    for node in nodes:
-        srv.store.upsert_node(node)
-    try:
+    async with tiny_server(tmp_path, count=2) as srv:
         yield srv
-    finally:
-        await srv.scheduler.stop()
 
 
 def register(srv: NomadServer, job: Json) -> str:

@@ -12,24 +12,18 @@ from typing import Any
 
 import pytest
 
-from devstack.nomad.nodes import node_from_spec, node_id
+from devstack.nomad.nodes import node_id
 from devstack.nomad.server import ApiError, NomadServer
 from tests.fixtures.nomad import StandIn
-from tests.standin.api_helpers import eval_done, live_allocs, mock_job, tiny_node, wait_for
+from tests.standin.api_helpers import eval_done, live_allocs, mock_job, tiny_node, tiny_server, wait_for
 
 Json = dict[str, Any]
 
 
 @pytest.fixture
 async def server(tmp_path: Path) -> AsyncIterator[NomadServer]:
-    nodes = [node_from_spec(tiny_node(f"tiny-{i}")) for i in range(3)]
-    srv = NomadServer(nodes, None, tmp_path)
-    for node in nodes:
-        srv.store.upsert_node(node)
-    try:
+    async with tiny_server(tmp_path, count=3) as srv:
         yield srv
-    finally:
-        await srv.scheduler.stop()
 
 
 def system_job(job_id: str = "sys", cpu: int = 100, **group_extra: Any) -> Json:
