@@ -224,7 +224,12 @@ def reconcile(view: ModelView, max_start_failures: int = DEFAULT_MAX_START_FAILU
 
     # Placement: only while something is meant to run and the job is the current definition.
     failure = None
-    if not state.parked and max(count, desired) > 0 and view.job is not None and job_def_hash(view.job) == m.def_hash:
+    if (
+        not state.parked
+        and max(count, desired) > 0
+        and view.job is not None
+        and job_def_hash(view.job) == m.def_hash
+    ):
         failure = latest_placement_failure(view.evals, dict(view.job))
     state = state.model_copy(
         update={
