@@ -1,11 +1,23 @@
-"""Small helpers the benchmarks share: reading a process's memory and CPU from /proc, finding
-processes by their command line. psutil is not a dependency, and /proc is all that is needed."""
+"""Small helpers the benchmarks share: starting the Nomad stand-in, reading a process's memory
+and CPU from /proc, finding processes by their command line. psutil is not a dependency, and
+/proc is all that is needed."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
+
+import httpx
+
+from devstack import lifetime
+from devstack.ports import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+LARGE_FLEET = REPO / "devstack" / "nodes" / "large-200.yaml"
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -60,3 +72,33 @@ def descends_from(pid: int, ancestor: int) -> bool:
         except (OSError, ValueError, IndexError):
             return False
     return False
+
+
+def start_standin(
+    data_dir: Path, fleet: Path = LARGE_FLEET, consul_url: str | None = None
+) -> tuple[subprocess.Popen[bytes], str]:
+    """`python -m devstack.nomad` on a free port, logging to DATA_DIR/standin.log; returns the
+    process and its URL once it answers."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    args = [sys.executable, "-m", "devstack.nomad", "--listen", f"127.0.0.1:{port}", "--nodes", str(fleet),
+            "--data-dir", str(data_dir / "nomad"), "--log-level", "WARNING"]  # fmt: skip
+    if consul_url:
+        args += ["--consul", consul_url]
+    log = (data_dir / "standin.log").open("wb")
+    process = subprocess.Popen(
+        args, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        preexec_fn=lifetime.die_with_parent,
+    )  # fmt: skip
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise SystemExit(f"the stand-in exited; see {data_dir / 'standin.log'}")
+        try:
+            if httpx.get(f"{url}/v1/status/leader", timeout=1).status_code == 200:
+                return process, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    process.kill()
+    raise SystemExit("the stand-in did not start within 30s")

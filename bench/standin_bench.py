@@ -35,37 +35,12 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from devstack import lifetime  # noqa: E402
-from devstack.ports import free_port  # noqa: E402
+from bench._support import start_standin  # noqa: E402
 
 FLEET = REPO / "devstack" / "nodes" / "large-200.yaml"
 TARGET_ALL_PLACED_S = 60.0
 TARGET_WAKE_MS = 50.0
 TARGET_RSS_MB = 500.0
-
-
-def start_standin(data_dir: Path) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = (data_dir / "standin.log").open("wb")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "devstack.nomad", "--listen", f"127.0.0.1:{port}", "--nodes", str(FLEET),
-         "--data-dir", str(data_dir / "data"), "--log-level", "WARNING"],
-        cwd=REPO, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-        preexec_fn=lifetime.die_with_parent,
-    )  # fmt: skip
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise SystemExit(f"the stand-in exited; see {data_dir / 'standin.log'}")
-        try:
-            if httpx.get(f"{url}/v1/status/leader", timeout=1).status_code == 200:
-                return process, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.05)
-    process.kill()
-    raise SystemExit("the stand-in did not start within 30s")
 
 
 def job(i: int) -> dict[str, Any]:

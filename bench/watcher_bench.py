@@ -63,7 +63,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 
-from bench._support import cpu_seconds, rss_mb  # noqa: E402
+from bench._support import cpu_seconds, rss_mb, start_standin  # noqa: E402
 from devstack import lifetime  # noqa: E402
 from devstack.consul_agent import ConsulAgent  # noqa: E402
 from devstack.ports import free_port  # noqa: E402
@@ -241,30 +241,6 @@ class CountingProxy:
             return web.Response(status=502, text=f"counting proxy: {exc}")
 
 
-def start_standin(data_dir: Path, consul_url: str) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = (data_dir / "standin.log").open("wb")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "devstack.nomad", "--listen", f"127.0.0.1:{port}", "--nodes", str(FLEET),
-         "--consul", consul_url, "--data-dir", str(data_dir / "nomad"), "--log-level", "WARNING"],
-        cwd=REPO, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-        preexec_fn=lifetime.die_with_parent,
-    )  # fmt: skip
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise SystemExit(f"the stand-in exited; see {data_dir / 'standin.log'}")
-        try:
-            if httpx.get(f"{url}/v1/status/leader", timeout=1).status_code == 200:
-                return process, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.05)
-    process.kill()
-    raise SystemExit("the stand-in did not start within 30s")
-
-
 def mock_job(model: Any, config: dict[str, Any], *, keep_checks: bool = False) -> dict[str, Any]:
     """`render_job(model)` with its engine task swapped for a mock_driver task.
 
@@ -418,7 +394,7 @@ def real(args: argparse.Namespace) -> int:
         watcher: subprocess.Popen[bytes] | None = None
         stop = threading.Event()
         try:
-            standin, nomad = start_standin(work, consul.url)
+            standin, nomad = start_standin(work, FLEET, consul.url)
             print(f"Consul {consul.url}, stand-in {nomad} on {FLEET.name}")
             started = time.monotonic()
             with httpx.Client(base_url=nomad, timeout=30) as http:
