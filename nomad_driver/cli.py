@@ -35,17 +35,30 @@ def render(
         JobFormat.hcl, "--format", "-f", help="hcl for `nomad job run`, json for the API."
     ),
     check: bool = typer.Option(False, "--check", help="Only validate the models file; write nothing."),
-    datacenter: list[str] = typer.Option(
-        [], "--datacenter", "-d", help="Datacenter to run in (repeatable; default all)."
+    namespace: str | None = typer.Option(
+        None,
+        "--namespace",
+        envvar="NOMAD_NAMESPACE",
+        help="Nomad namespace to write into the jobs (default: none, so `nomad job run` decides).",
+        show_default=False,
     ),
-    namespace: str = typer.Option(
-        "default", "--namespace", envvar="NOMAD_NAMESPACE", help="Nomad namespace."
-    ),
-    node_pool: str | None = typer.Option(None, "--node-pool", help="Nomad node pool."),
+    # Placement moved into the models file (profiles.NAME.node_pool and .datacenters), where
+    # apply and the watcher read it too; the old flags stay only to say so.
+    datacenter: list[str] = typer.Option([], "--datacenter", "-d", hidden=True),
+    node_pool: str | None = typer.Option(None, "--node-pool", hidden=True),
 ) -> None:
     """Write one Nomad job per model, without a cluster. Exit code 2 when the file is invalid."""
     from nomad_driver.render import render_files
     from nomad_driver.spec import SpecError, load_models
+
+    if datacenter or node_pool:
+        typer.echo(
+            "llmgw render: --datacenter and --node-pool are set in the models file now, so that "
+            "apply and the watcher place models in the same pool: set 'node_pool' and "
+            "'datacenters' on the profile (see docs/models.md)",
+            err=True,
+        )
+        raise typer.Exit(2)
 
     try:
         model_set = load_models(models_file)
@@ -67,13 +80,7 @@ def render(
         raise typer.Exit(2)
 
     # Everything is rendered before anything is written, so a failure leaves DIR as it was.
-    files = render_files(
-        list(model_set.models.values()),
-        fmt.value,
-        datacenters=datacenter or None,
-        namespace=namespace,
-        node_pool=node_pool,
-    )
+    files = render_files(list(model_set.models.values()), fmt.value, namespace=namespace or None)
     try:
         out.mkdir(parents=True, exist_ok=True)
         for name, text in files.items():

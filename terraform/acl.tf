@@ -43,6 +43,19 @@ resource "nomad_acl_policy" "node_agent" {
   EOT
 }
 
+# For the people who run `llmgw apply`: attach it to their own tokens
+# (`nomad acl token create -policy llmgw-operator ...`). No token is made for it here.
+resource "nomad_acl_policy" "operator" {
+  name        = "llmgw-operator"
+  description = "llmgw apply: reads each model job and registers the new or changed ones."
+
+  rules_hcl = <<-EOT
+    namespace "default" {
+      capabilities = ["read-job", "submit-job"]
+    }
+  EOT
+}
+
 resource "nomad_acl_token" "watcher" {
   name     = "llmgw-watcher"
   type     = "client"
@@ -122,6 +135,18 @@ resource "consul_acl_policy" "router" {
 
     node_prefix "" {
       policy = "read"
+    }
+  EOT
+}
+
+# For the people who run `llmgw apply`, as the Nomad one above: only the definitions key.
+resource "consul_acl_policy" "operator" {
+  name        = "llmgw-operator"
+  description = "llmgw apply: stores the model definitions with check-and-set."
+
+  rules = <<-EOT
+    key "llmgw/config/models" {
+      policy = "write"
     }
   EOT
 }
