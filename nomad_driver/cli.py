@@ -105,10 +105,17 @@ def router_command(
     api_keys_file: Path | None = typer.Option(
         None, "--api-keys-file", help="Bearer tokens, one a line (also LLMGW_API_KEYS, comma-separated)."
     ),
+    # The same variable the certificate-expiry metric reads, so the file served is the file
+    # whose expiry is published.
     tls_cert: Path | None = typer.Option(
-        None, "--tls-cert", help="PEM certificate; serve HTTPS with --tls-key."
+        None,
+        "--tls-cert",
+        envvar="LLMGW_ROUTER_TLS_CERT",
+        help="PEM certificate; serve HTTPS with --tls-key.",
     ),
-    tls_key: Path | None = typer.Option(None, "--tls-key", help="PEM private key for --tls-cert."),
+    tls_key: Path | None = typer.Option(
+        None, "--tls-key", envvar="LLMGW_ROUTER_TLS_KEY", help="PEM private key for --tls-cert."
+    ),
     models_file: Path | None = typer.Option(
         None,
         "--models",
