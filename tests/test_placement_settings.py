@@ -121,3 +121,17 @@ def test_apply_registers_in_nomad_namespace_not_in_default(
     assert result.exit_code == 3, result.output
     assert 'nonexistent namespace "llm"' in result.output
     assert Nomad(standin.url, namespace="default").get_job("llmgw-elsewhere") is None
+
+
+def test_a_pool_no_node_is_in_is_refused_with_nomads_words(
+    consul_url: str, start_standin: Callable[..., Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    standin = start_standin(nodes=pool_fleet(engines_dir(tmp_path)), consul=False)
+    monkeypatch.setenv("CONSUL_HTTP_ADDR", consul_url)
+    monkeypatch.setenv("NOMAD_ADDR", standin.url)
+    monkeypatch.delenv("NOMAD_NAMESPACE", raising=False)
+    path = tmp_path / "models.yaml"
+    path.write_text(models("gpus", "typo"))
+    result = CliRunner().invoke(app, ["apply", str(path)])
+    assert result.exit_code == 3, result.output
+    assert 'job "llmgw-typo" is in nonexistent node pool "gpus"' in result.output
