@@ -49,6 +49,12 @@ variable "consul_addr" {
   default     = ""
 }
 
+variable "models_namespace" {
+  type        = string
+  description = "Nomad namespace of the model jobs (NOMAD_NAMESPACE for llmgw): where the watcher registers and the routers scale them."
+  default     = "default"
+}
+
 variable "tls_dir" {
   type        = string
   description = "Directory on every node holding the CA and client certificates below, mounted read-only at the same path (the default, the system's CA directory, holds none of llmgw's)."
@@ -165,6 +171,7 @@ job "llmgw-router" {
       env {
         NOMAD_ADDR       = coalesce(var.nomad_addr, "http://${attr.unique.network.ip-address}:4646")
         CONSUL_HTTP_ADDR = coalesce(var.consul_addr, "${attr.unique.network.ip-address}:8500")
+        NOMAD_NAMESPACE   = var.models_namespace
         NOMAD_CACERT      = var.nomad_cacert
         NOMAD_CLIENT_CERT = var.nomad_client_cert
         NOMAD_CLIENT_KEY  = var.nomad_client_key

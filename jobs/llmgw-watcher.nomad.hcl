@@ -44,6 +44,12 @@ variable "max_start_failures" {
   default     = 5
 }
 
+variable "models_namespace" {
+  type        = string
+  description = "Nomad namespace of the model jobs (NOMAD_NAMESPACE for llmgw): where the watcher registers and the routers scale them."
+  default     = "default"
+}
+
 variable "tls_dir" {
   type        = string
   description = "Directory on every node holding the CA and client certificates below, mounted read-only at the same path (the default, the system's CA directory, holds none of llmgw's)."
@@ -162,6 +168,7 @@ job "llmgw-watcher" {
         # The leader's address as others reach it (the host's port, not the container's
         # 0.0.0.0:4700), so a follower can send `llmgw ctl retry` on to it.
         LLMGW_ADMIN_ADVERTISE = "${NOMAD_ADDR_admin}"
+        NOMAD_NAMESPACE   = var.models_namespace
         NOMAD_CACERT      = var.nomad_cacert
         NOMAD_CLIENT_CERT = var.nomad_client_cert
         NOMAD_CLIENT_KEY  = var.nomad_client_key

@@ -159,7 +159,8 @@ def ctl_retry(
         None, "--token", help="Bearer token (as `llmgw ctl --token`).", show_default=False
     ),
 ) -> None:
-    """Unpark a model: clear its failure count and restore its replicas (leader only)."""
+    """Unpark a model: clear its failure count and restore its replicas. The leader does it; sent
+    to a follower, the request follows it to the leader."""
     from nomad_driver.admin_client import AdminClient, NotLeader, retry_on_leader
     from nomad_driver.ctl import admin_errors, client_of
 

@@ -1,7 +1,7 @@
 # Least-privilege ACLs, one policy and one token per component and system. What each rule is for
 # is listed call by call in nomad_driver/acl.py, and tests/test_terraform.py checks these rules
 # against that table: a call the code makes that no rule allows, or a rule no call needs, fails it.
-# Keep the rules literal (no interpolation) so the test can read them.
+# Keep the rules literal (no interpolation but the models' namespace) so the test can read them.
 
 # --- Nomad -------------------------------------------------------------------------------------
 
@@ -10,7 +10,7 @@ resource "nomad_acl_policy" "watcher" {
   description = "llmgw watcher: registers and scales the model jobs, reads their allocations, evaluations and engine logs, and reads nodes."
 
   rules_hcl = <<-EOT
-    namespace "default" {
+    namespace "${var.models_namespace}" {
       capabilities = ["list-jobs", "read-job", "submit-job", "read-logs"]
     }
 
@@ -25,7 +25,7 @@ resource "nomad_acl_policy" "router" {
   description = "llmgw router: scales an on-demand model job up when a request asks for it, and reads the job and its evaluation."
 
   rules_hcl = <<-EOT
-    namespace "default" {
+    namespace "${var.models_namespace}" {
       capabilities = ["read-job", "scale-job"]
     }
   EOT
@@ -50,7 +50,7 @@ resource "nomad_acl_policy" "operator" {
   description = "llmgw apply: reads each model job and registers the new or changed ones."
 
   rules_hcl = <<-EOT
-    namespace "default" {
+    namespace "${var.models_namespace}" {
       capabilities = ["read-job", "submit-job"]
     }
   EOT

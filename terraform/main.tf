@@ -82,6 +82,7 @@ resource "nomad_job" "watcher" {
       nomad_addr         = var.nomad_addr
       consul_addr        = var.consul_addr
       max_start_failures = tostring(var.max_start_failures)
+      models_namespace   = var.models_namespace
       tls_dir            = var.tls.dir
       nomad_cacert       = var.tls.nomad_cacert
       nomad_client_cert  = var.tls.nomad_client_cert

@@ -142,3 +142,9 @@ variable "node_nomad_addr" {
   type        = string
   default     = ""
 }
+
+variable "models_namespace" {
+  description = "Nomad namespace of the model jobs: the watcher registers and the routers scale them there, and their Nomad policies grant only there. Create it first (`nomad namespace apply`)."
+  type        = string
+  default     = "default"
+}

@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 from nomad_driver.cli import app
 from nomad_driver.consul import Consul
 from nomad_driver.nomad import Nomad
+from nomad_driver.placement import latest_placement_failure
 from nomad_driver.state import CONFIG_MODELS_KEY
 from nomad_driver.watcher import Watcher, WatcherConfig
 from tests.watcher_support import engines_dir, node, until
@@ -101,8 +102,13 @@ def test_a_model_without_the_pool_is_told_why_it_fits_nowhere(
     nomad = Nomad(standin.url)
     job = nomad.get_job("llmgw-nowhere")
     assert job is not None and job["NodePool"] == "default"
-    evals = nomad.job_evaluations("llmgw-nowhere")
-    assert any(e.get("FailedTGAllocs") for e in evals)
+    failure = latest_placement_failure(nomad.job_evaluations("llmgw-nowhere"), job)
+    assert failure is not None
+    # What an operator reads: the GPU it wants, and the nodes of the pool it was in, ruled out.
+    assert (
+        failure.reason
+        == "no node has 1 x nvidia/gpu with memory >= 20000 MiB: 1 node filtered (missing devices)"
+    )
     assert not placed_on(nomad, "llmgw-nowhere")
 
 

@@ -251,7 +251,9 @@ def policies(rtype: str, attr: str) -> dict[str, dict[str, Any]]:
     found = {}
     for (t, name), body in blocks("resource").items():
         if t == rtype:
-            found[COMPONENT_OF[name]] = hcl2.loads(heredoc(body[attr]), serialization_options=HCL)
+            # The one interpolation the rules have: the models' namespace, at its default.
+            rules = heredoc(body[attr]).replace("${var.models_namespace}", "default")
+            found[COMPONENT_OF[name]] = hcl2.loads(rules, serialization_options=HCL)
     return found
 
 
