@@ -13,10 +13,13 @@ import pytest
 import requests
 from typer.testing import CliRunner
 
+from devstack import demo_models, fleet
+from devstack.nomad.nodes import load_nodes
 from nomad_driver.cli import app
 from nomad_driver.consul import Consul
 from nomad_driver.nomad import Nomad
 from nomad_driver.placement import latest_placement_failure
+from nomad_driver.spec import parse_models
 from nomad_driver.state import CONFIG_MODELS_KEY
 from nomad_driver.watcher import Watcher, WatcherConfig
 from tests.watcher_support import engines_dir, node, until
@@ -141,3 +144,19 @@ def test_a_pool_no_node_is_in_is_refused_with_nomads_words(
     result = CliRunner().invoke(app, ["apply", str(path)])
     assert result.exit_code == 3, result.output
     assert 'job "llmgw-typo" is in nonexistent node pool "gpus"' in result.output
+
+
+def test_the_dev_stack_runs_models_in_a_gpu_pool_and_llmgw_beside_it(tmp_path: Path) -> None:
+    """The dev stack's fleet is laid out as the operating guide says, and its demo models ask for
+    the GPU pool, so `make demo` exercises the placement an operator will have."""
+    out = fleet.effective_nodes(
+        fleet.SMALL_FLEET, tmp_path / "engines", tmp_path / "nodes.yaml", gpu_pool="gpu"
+    )
+    nodes = load_nodes(out)
+    pools = {n["Name"]: n["NodePool"] for n in nodes}
+    assert pools.pop("general-0") == "default"
+    assert pools and set(pools.values()) == {"gpu"}
+    assert all(n["NodeResources"]["Devices"] for n in nodes if n["NodePool"] == "gpu")
+    demo = parse_models(demo_models.TEMPLATE.read_text(), str(demo_models.TEMPLATE))
+    assert {m.profile.node_pool for m in demo.models.values()} == {"gpu"}
+    assert fleet.big_gpu_node(tmp_path)["node_pool"] == "gpu"
