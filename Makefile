@@ -8,7 +8,13 @@ PY := $(VENV)/bin/python
 LLAMA_CPP_PYTHON := 0.3.36
 CONSUL_BIN := $(CACHE)/consul/usr/bin/consul
 PROMTOOL_BIN := $(CACHE)/prometheus/usr/bin/promtool
-LLAMA_WHEEL_STAMP := $(CACHE)/wheels/.llama-cpp-python-$(LLAMA_CPP_PYTHON)
+# llama.cpp is built for x86-64-v3 (AVX2, FMA, F16C), not -march=native: CPUs that advertise AMX
+# inside VMs that never enabled its register state die with SIGILL on the first quantized matmul
+# (seen here: `tilezero` in libggml-cpu.so on Gemma's first completion). The flavour is part of the
+# cache path, so a wheel built the old way is never picked up again.
+LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
+LLAMA_WHEELS := $(CACHE)/wheels/llama-cpp-python-$(LLAMA_CPP_PYTHON)-x86-64-v3
+LLAMA_WHEEL_STAMP := $(LLAMA_WHEELS)/.built
 export LLMGW_CONSUL_BIN := $(CONSUL_BIN)
 export LLMGW_PROMTOOL_BIN := $(PROMTOOL_BIN)
 
@@ -22,13 +28,14 @@ $(VENV)/bin/python:
 
 # llama.cpp compiles for about four minutes; the wheel is kept so it happens once per machine.
 $(LLAMA_WHEEL_STAMP):
-	@mkdir -p $(CACHE)/wheels
+	@mkdir -p $(LLAMA_WHEELS)
 	@echo "building llama-cpp-python $(LLAMA_CPP_PYTHON) once (compiles llama.cpp, ~4 min on 2 cores)..."
-	$(PYTHON) -m pip wheel --no-deps --wheel-dir $(CACHE)/wheels 'llama-cpp-python==$(LLAMA_CPP_PYTHON)'
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PYTHON) -m pip wheel --no-deps --no-cache-dir --wheel-dir $(LLAMA_WHEELS) 'llama-cpp-python==$(LLAMA_CPP_PYTHON)'
 	@touch $@
 
 $(VENV)/.installed: pyproject.toml $(VENV)/bin/python $(LLAMA_WHEEL_STAMP)
-	$(PY) -m pip install --quiet --find-links $(CACHE)/wheels \
+	$(PY) -m pip install --quiet --no-deps --force-reinstall $(LLAMA_WHEELS)/llama_cpp_python-$(LLAMA_CPP_PYTHON)-*.whl
+	$(PY) -m pip install --quiet --find-links $(LLAMA_WHEELS) \
 		'llama-cpp-python[server]==$(LLAMA_CPP_PYTHON)' -e '.[dev]'
 	@touch $@
 
