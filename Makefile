@@ -8,13 +8,23 @@ PY := $(VENV)/bin/python
 LLAMA_CPP_PYTHON := 0.3.36
 CONSUL_BIN := $(CACHE)/consul/usr/bin/consul
 PROMTOOL_BIN := $(CACHE)/prometheus/usr/bin/promtool
+# The Prometheus server the dev stack runs comes from bullseye: Debian's later packages are built
+# without Consul service discovery (since 2.33.5+ds1-4), which is how it finds llmgw. Its web UI
+# links its scripts, styles and fonts from the libjs-* packages, unpacked beside it.
+PROMETHEUS_BIN := $(CACHE)/prometheus-server/usr/bin/prometheus
+PROMETHEUS_PKGS := prometheus libjs-bootstrap4 libjs-eonasdan-bootstrap-datetimepicker libjs-jquery \
+	libjs-jquery-hotkeys libjs-moment libjs-moment-timezone libjs-mustache libjs-popper.js \
+	libjs-rickshaw libjs-d3 fonts-glyphicons-halflings
+CHROMIUM_BIN := $(CACHE)/chromium/chromium
 LLAMA_WHEEL_STAMP := $(CACHE)/wheels/.llama-cpp-python-$(LLAMA_CPP_PYTHON)
 export LLMGW_CONSUL_BIN := $(CONSUL_BIN)
 export LLMGW_PROMTOOL_BIN := $(PROMTOOL_BIN)
+export LLMGW_PROMETHEUS_BIN := $(PROMETHEUS_BIN)
+export LLMGW_CHROMIUM_BIN := $(CHROMIUM_BIN)
 
 .PHONY: setup test lint typecheck pytest demo clean
 
-setup: $(VENV)/.installed $(CONSUL_BIN) $(PROMTOOL_BIN)
+setup: $(VENV)/.installed $(CONSUL_BIN) $(PROMTOOL_BIN) $(PROMETHEUS_BIN) $(CHROMIUM_BIN)
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +48,16 @@ $(CONSUL_BIN):
 
 $(PROMTOOL_BIN):
 	bash devstack/fetch-deb.sh prometheus bookworm $(CACHE)/prometheus
+	@test -x $@
+
+$(PROMETHEUS_BIN):
+	bash devstack/fetch-deb.sh "$(PROMETHEUS_PKGS)" bullseye $(CACHE)/prometheus-server
+	@test -x $@
+
+# Debian's chromium for the browser tests (Playwright drives it; it never downloads a browser),
+# with whichever of its libraries this machine lacks, unpacked privately like the rest.
+$(CHROMIUM_BIN):
+	bash devstack/fetch-chromium.sh $(CACHE)/chromium
 	@test -x $@
 
 lint: setup
