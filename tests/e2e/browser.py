@@ -97,10 +97,14 @@ def service_instances_page(page: Page, consul: str, service: str = "llmgw-model"
     return page.inner_text("main")
 
 
-def prometheus_alerts_page(page: Page, prometheus: str, expand: tuple[str, ...] = ()) -> str:
+def prometheus_alerts_page(
+    page: Page, prometheus: str, expand: tuple[str, ...] = (), hide_inactive: bool = False
+) -> str:
     """Prometheus's alert page (the classic UI of Debian's package), with `expand` opened."""
     page.goto(f"{prometheus}/classic/alerts")
     page.wait_for_selector("text=Firing")
+    if hide_inactive:
+        page.click("label:has(#inactiveAlerts)")
     for alert in expand:
         page.click(f"text={alert}")
     page.wait_for_timeout(300)
@@ -135,7 +139,10 @@ def main(argv: list[str] | None = None) -> int:
         model_checks_page(page, env["CONSUL_HTTP_ADDR"])
         print(shoot(page, args.out / "consul-ui-models.png"))
         prometheus_alerts_page(
-            page, env["PROMETHEUS_ADDR"], expand=("LlmgwModelParked", "LlmgwModelUnplaceable")
+            page,
+            env["PROMETHEUS_ADDR"],
+            expand=("LlmgwModelParked", "LlmgwModelUnplaceable"),
+            hide_inactive=True,
         )
         print(shoot(page, args.out / "prometheus-alerts.png"))
     return 0

@@ -30,6 +30,7 @@ import yaml
 
 from devstack import prometheus as prom
 from devstack.gguf_tiny import write_tiny_gguf
+from devstack.tour import alerts_step
 from tests.e2e.browser import (
     browser_page,
     model_checks_page,
@@ -267,6 +268,9 @@ def test_parked_unplaceable_and_nothing_ready_alerts_fire(stack: DevStack) -> No
     firing = alerts_by_model(stack)
     assert "LlmgwModelParked" in firing[KEV]
     assert {"LlmgwModelUnplaceable", "LlmgwModelNothingReady"} <= firing[PHI]
+    # A parked model is no longer meant to run (its desired replicas read 0), so it pages once,
+    # as parked, and its five failed starts are no longer "climbing" (docs/operating.md, 10).
+    assert not {"LlmgwModelNothingReady", "LlmgwModelStartFailuresClimbing"} & firing[KEV], firing[KEV]
     # Nothing cries wolf: the serving model, the idle one and the control plane are quiet.
     pending = alerts_by_model(stack, "pending")
     for quiet in (GEMMA, ON_DEMAND, ""):
@@ -275,6 +279,9 @@ def test_parked_unplaceable_and_nothing_ready_alerts_fire(stack: DevStack) -> No
         text = prometheus_alerts_page(page, prometheus(stack), expand=("LlmgwModelParked",))
         shoot(page, screenshots(stack) / "prometheus-alerts.png")
     assert "LlmgwModelParked" in text and KEV in text
+    # What the demo's tour prints, from the same API.
+    shown = alerts_step(prometheus(stack), wait_s=0)
+    assert f"llmgw model {KEV} is parked" in shown and f"llmgw model {PHI} fits on no node" in shown, shown
 
 
 def test_alerts_resolve_once_the_model_is_fixed_and_retried(stack: DevStack) -> None:
