@@ -1,6 +1,6 @@
 """`python -m devstack up|down`: the single-machine llmgw stack for demos, development and tests.
 
-    python -m devstack up [--tiny] [--state-dir DIR] [--services nomad|process] [--no-tour]
+    python -m devstack up [--tiny] [--state-dir DIR] [--services nomad|process] [--no-tour] [--alert-for 20s]
     python -m devstack down [--state-dir DIR]
 
 `up` stays in the foreground until Ctrl-C (or `down` from another shell) and then stops every
