@@ -174,8 +174,9 @@ class Stack:
     def _start_prometheus(self) -> None:
         assert self.consul is not None
         o = self.options
-        # Read by every llmgw process from the environment the Nomad agent passes on to its
-        # raw_exec tasks (and the child processes inherit).
+        # A certificate for the expiry metric to watch, so that the certificate panels and
+        # alerts have a series here too; the watchers and routers read LLMGW_TLS_CERTS from the
+        # environment Nomad passes on to raw_exec tasks (child processes inherit it as well).
         cert = prom.write_watched_certificate(self.dir / "tls" / "watched-cert.pem")
         watched = [p for p in os.environ.get("LLMGW_TLS_CERTS", "").split(",") if p]
         os.environ["LLMGW_TLS_CERTS"] = ",".join(dict.fromkeys([*watched, str(cert)]))
