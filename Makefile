@@ -15,12 +15,22 @@ PROMTOOL_BIN := $(CACHE)/prometheus/usr/bin/promtool
 LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
 LLAMA_WHEELS := $(CACHE)/wheels/llama-cpp-python-$(LLAMA_CPP_PYTHON)-x86-64-v3
 LLAMA_WHEEL_STAMP := $(LLAMA_WHEELS)/.built
+# The Prometheus server the dev stack runs comes from bullseye: Debian's later packages are built
+# without Consul service discovery (since 2.33.5+ds1-4), which is how it finds llmgw. Its web UI
+# links its scripts, styles and fonts from the libjs-* packages, unpacked beside it.
+PROMETHEUS_BIN := $(CACHE)/prometheus-server/usr/bin/prometheus
+PROMETHEUS_PKGS := prometheus libjs-bootstrap4 libjs-eonasdan-bootstrap-datetimepicker libjs-jquery \
+	libjs-jquery-hotkeys libjs-moment libjs-moment-timezone libjs-mustache libjs-popper.js \
+	libjs-rickshaw libjs-d3 fonts-glyphicons-halflings
+CHROMIUM_BIN := $(CACHE)/chromium/chromium
 export LLMGW_CONSUL_BIN := $(CONSUL_BIN)
 export LLMGW_PROMTOOL_BIN := $(PROMTOOL_BIN)
+export LLMGW_PROMETHEUS_BIN := $(PROMETHEUS_BIN)
+export LLMGW_CHROMIUM_BIN := $(CHROMIUM_BIN)
 
 .PHONY: setup test lint typecheck pytest demo clean
 
-setup: $(VENV)/.installed $(CONSUL_BIN) $(PROMTOOL_BIN)
+setup: $(VENV)/.installed $(CONSUL_BIN) $(PROMTOOL_BIN) $(PROMETHEUS_BIN) $(CHROMIUM_BIN)
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -45,6 +55,16 @@ $(CONSUL_BIN):
 
 $(PROMTOOL_BIN):
 	bash devstack/fetch-deb.sh prometheus bookworm $(CACHE)/prometheus
+	@test -x $@
+
+$(PROMETHEUS_BIN):
+	bash devstack/fetch-deb.sh "$(PROMETHEUS_PKGS)" bullseye $(CACHE)/prometheus-server
+	@test -x $@
+
+# Debian's chromium for the browser tests (Playwright drives it; it never downloads a browser),
+# with whichever of its libraries this machine lacks, unpacked privately like the rest.
+$(CHROMIUM_BIN):
+	bash devstack/fetch-chromium.sh $(CACHE)/chromium
 	@test -x $@
 
 lint: setup
