@@ -112,6 +112,13 @@ def router_command(
     first_byte_timeout: float = typer.Option(
         600.0, "--first-byte-timeout", help="Seconds a replica may think before its first byte."
     ),
+    max_connections: int = typer.Option(
+        0,
+        "--max-connections",
+        envvar="LLMGW_ROUTER_MAX_CONNECTIONS",
+        min=0,
+        help="Open client connections; past it the oldest idle one is closed (0: from the fd limit).",
+    ),
     no_activation: bool = typer.Option(
         False, "--no-activation", help="Never scale models up through Nomad; answer 503 instead."
     ),
@@ -130,6 +137,7 @@ def router_command(
             models_file=str(models_file or ""),
             max_body_bytes=int(max_body_mib * 1024 * 1024),
             first_byte_timeout_s=first_byte_timeout,
+            max_connections=max_connections,
             activation=not no_activation,
             log_level=log_level,
         )
