@@ -31,6 +31,8 @@ from typing import Any, ClassVar
 
 import httptools
 import uvicorn
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from nomad_driver.logs import configure_logging
@@ -107,7 +109,7 @@ class ConnectionGuard:
             if oldest is not newcomer:
                 del self.idle[oldest]
                 oldest.transport.close()
-                self.note_drop("idle, over the connection cap")
+                self.note_drop("idle_over_cap")
                 return
         newcomer.refuse(503, "too_many_connections", "the router is at its connection limit; retry shortly")
 
@@ -260,13 +262,38 @@ class GuardedProtocol(HttpToolsProtocol):
         elif self.cycle is None:
             # Opened and never used: closed without an answer, as nginx does.
             self.guard.idle.pop(self, None)
-            self.guard.note_drop("silent connection")
+            self.guard.note_drop("silent")
             self.transport.close()
 
     def _cancel_head_timer(self) -> None:
         if self._head_timer is not None:
             self._head_timer.cancel()
             self._head_timer = None
+
+
+class GuardCollector(Collector):
+    """Connections the guards closed, by reason, and the cap, in the router's /metrics."""
+
+    def __init__(self, guard: ConnectionGuard) -> None:
+        self.guard = guard
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> list[Metric]:
+        closed = CounterMetricFamily(
+            "llmgw_router_connections_closed",
+            "Client connections the router closed to protect itself, by reason.",
+            labels=["reason"],
+        )
+        for reason, count in sorted(self.guard.dropped.items()):
+            closed.add_metric([reason], count)
+        cap = GaugeMetricFamily(
+            "llmgw_router_max_connections",
+            "Open client connections past which the oldest idle one is closed.",
+        )
+        cap.add_metric([], self.guard.max_connections)
+        return [closed, cap]
 
 
 def protocol_for(config: RouterConfig) -> type[GuardedProtocol]:
@@ -278,11 +305,14 @@ def protocol_for(config: RouterConfig) -> type[GuardedProtocol]:
 
 def uvicorn_config(app: Any, config: RouterConfig, *, log_level: str = "info") -> uvicorn.Config:
     """How the router is served, for `llmgw router` and for the tests that attack it."""
+    protocol = protocol_for(config)
+    if isinstance(app, RouterApp):
+        app.metrics.add_collector(GuardCollector(protocol.guard))
     return uvicorn.Config(
         app,
         host=config.host,
         port=config.port,
-        http=protocol_for(config),
+        http=protocol,
         ssl_certfile=config.tls_cert or None,
         ssl_keyfile=config.tls_key or None,
         lifespan="on",
