@@ -45,13 +45,13 @@ def render(
 ) -> None:
     """Write one Nomad job per model, without a cluster. Exit code 2 when the file is invalid."""
     from nomad_driver.render import render_files
-    from nomad_driver.spec import SpecError, load_models
+    from nomad_driver.spec import SpecError, load_models, problem_line
 
     try:
         model_set = load_models(models_file)
     except SpecError as exc:
         for problem in exc.problems:
-            typer.echo(f"{models_file}: {problem}", err=True)
+            typer.echo(problem_line(models_file, problem), err=True)
         count = len(exc.problems)
         typer.echo(f"{models_file}: {count} problem{'s' if count != 1 else ''}; nothing written", err=True)
         raise typer.Exit(2) from None

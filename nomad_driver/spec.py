@@ -405,6 +405,11 @@ def read_models_text(path: str | Path) -> str:
         raise SpecError([f"{path}: not UTF-8 text (invalid byte at offset {exc.start})"]) from None
 
 
+def problem_line(path: str | Path, problem: str) -> str:
+    """`PATH: problem`, for a CLI; problems about the whole file already start with the path."""
+    return problem if problem.startswith(f"{path}:") else f"{path}: {problem}"
+
+
 def load_models(path: str | Path) -> ModelSet:
     return parse_models(read_models_text(path), origin=str(path))
 

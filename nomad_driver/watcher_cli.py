@@ -150,13 +150,13 @@ def apply(models: Path = typer.Argument(..., exists=True, dir_okay=False, help="
     from nomad_driver.apply import ApplyConflict, apply_file
     from nomad_driver.consul import ConsulError
     from nomad_driver.nomad import NomadError
-    from nomad_driver.spec import SpecError
+    from nomad_driver.spec import SpecError, problem_line
 
     try:
         result = apply_file(models)
     except SpecError as exc:
         for problem in exc.problems:
-            typer.echo(f"{models}: {problem}", err=True)
+            typer.echo(problem_line(models, problem), err=True)
         raise typer.Exit(EXIT_BAD_INPUT) from None
     except ApplyConflict as exc:
         typer.echo(f"llmgw apply: {exc}", err=True)
