@@ -79,3 +79,19 @@ def test_api_keys_that_parse_to_no_key_are_an_error(monkeypatch: pytest.MonkeyPa
     result = CliRunner().invoke(cli_app, ["router", "--listen", "127.0.0.1:1"])
     assert result.exit_code == 2, result.output
     assert "LLMGW_API_KEYS is set but holds no key" in result.output
+
+
+@pytest.mark.parametrize(
+    ("args", "problem"),
+    [
+        (["--tls-cert", "/etc/hostname"], "--tls-cert and --tls-key go together"),
+        (
+            ["--tls-cert", "/nonexistent.pem", "--tls-key", "/nonexistent.key"],
+            "--tls-cert /nonexistent.pem: no such file",
+        ),
+    ],
+)
+def test_the_watcher_refuses_half_a_tls_setting(args: list[str], problem: str) -> None:
+    result = CliRunner().invoke(cli_app, ["watcher", "--listen", "127.0.0.1:1", *args])
+    assert result.exit_code == 2, result.output
+    assert problem in result.output
