@@ -23,6 +23,7 @@ from prometheus_client.registry import Collector
 from nomad_driver.certs import register_cert_collector
 from nomad_driver.consul import ConsulError
 from nomad_driver.node_inventory import engine_meta_key
+from nomad_driver.spec import redact
 from nomad_driver.summary import _gpu_use, _held_devices, fleet_summary, node_state
 from nomad_driver.watcher import NotLeader, UnknownModel, Watcher
 
@@ -142,13 +143,15 @@ def model_status(w: Watcher, name: str) -> dict[str, Any]:
         word = "idle" if d.desired == 0 and d.ready == 0 else "satisfied"
     else:
         word = "starting" if d.starting else "short"
+    # Redacted as defence in depth: validation refuses credentials in a source, but engine
+    # errors quote what they were given, and this is what `llmgw ctl` and dashboards show.
     return {
         "model": name,
         "state": word,
-        "reason": "" if word in ("satisfied", "idle") else d.health_output,
+        "reason": "" if word in ("satisfied", "idle") else redact(d.health_output),
         "job_id": m.job_id,
         "def_hash": m.def_hash,
-        "source": m.source,
+        "source": redact(m.source),
         "profile": m.profile_name,
         "replicas_min": m.replicas_min,
         "replicas_max": m.replicas_max,
@@ -158,12 +161,12 @@ def model_status(w: Watcher, name: str) -> dict[str, Any]:
         "starting": d.starting,
         "satisfied": d.ready >= d.desired and not d.state.parked,
         "health": d.health,
-        "health_output": d.health_output,
+        "health_output": redact(d.health_output),
         "parked": d.state.parked,
         "consecutive_failures": d.state.consecutive_failures,
-        "last_error": d.state.last_error,
+        "last_error": redact(d.state.last_error),
         "unplaceable": d.state.unplaceable,
-        "placement_reason": d.state.placement_reason,
+        "placement_reason": redact(d.state.placement_reason),
         "placement_eval": d.state.placement_eval,
     }
 
@@ -214,18 +217,53 @@ def _leader(w: Watcher) -> dict[str, Any] | None:
     return {"id": info.id, "address": info.address} if info else None
 
 
-def create_app(watcher: Watcher) -> FastAPI:
-    app = FastAPI(title="llmgw watcher admin API")
+def bearer_matches(header: str, token: str) -> bool:
+    """`Authorization: Bearer <token>`, the scheme in any case (RFC 9110 makes it
+    case-insensitive, and the router reads it so), the token compared in constant time."""
+    scheme, _, given = header.strip().partition(" ")
+    matched = hmac.compare_digest(given.strip().encode(), token.encode())
+    return scheme.lower() == "bearer" and matched
+
+
+def create_app(
+    watcher: Watcher, *, token: str | None = None, guard_reads: bool = False, docs: bool = False
+) -> FastAPI:
+    """`token` (default: LLMGW_ADMIN_TOKEN at each request) guards writes, and with
+    `guard_reads` also every read that shows sources, addresses or errors: what the watcher
+    does when it listens beyond loopback. /healthz and /metrics stay open for probes and
+    Prometheus. FastAPI's /docs, /redoc and /openapi.json only with `docs`."""
+    app = FastAPI(
+        title="llmgw watcher admin API",
+        docs_url="/docs" if docs else None,
+        redoc_url="/redoc" if docs else None,
+        openapi_url="/openapi.json" if docs else None,
+    )
     registry = CollectorRegistry()
     registry.register(WatcherCollector(watcher))
     register_cert_collector(registry)
 
     def authorized(request: Request) -> bool:
-        token = os.environ.get(TOKEN_ENV)
-        if not token:
+        expected = token if token is not None else os.environ.get(TOKEN_ENV)
+        if not expected:
             return True
-        given = request.headers.get("authorization", "")
-        return hmac.compare_digest(given.encode(), f"Bearer {token}".encode())
+        return bearer_matches(request.headers.get("authorization", ""), expected)
+
+    def refused(what: str) -> Response:
+        return JSONResponse(
+            {"error": f"{what} needs 'Authorization: Bearer <{TOKEN_ENV}>'"},
+            status_code=401,
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+
+    if guard_reads:
+
+        @app.middleware("http")
+        async def reads_need_the_token(request: Request, call_next: Any) -> Response:
+            path = request.url.path
+            if path not in ("/healthz", "/metrics") and not authorized(request):
+                return refused(f"{request.method} {path}")
+            response: Response = await call_next(request)
+            return response
 
     @app.get("/healthz")
     async def healthz() -> dict[str, Any]:
@@ -240,7 +278,7 @@ def create_app(watcher: Watcher) -> FastAPI:
         return {
             "is_leader": watcher.leadership.is_leader,
             "leader": _leader(watcher),
-            "definitions_problem": watcher.definitions_problem,
+            "definitions_problem": redact(watcher.definitions_problem),
             "models": [model_status(watcher, n) for n in sorted(watcher.decisions) if n in watcher.models],
         }
 
@@ -267,11 +305,7 @@ def create_app(watcher: Watcher) -> FastAPI:
     @app.post("/v1/admin/models/{model}/retry")
     async def retry(model: str, request: Request) -> Response:
         if not authorized(request):
-            return JSONResponse(
-                {"error": f"retry needs 'Authorization: Bearer <{TOKEN_ENV}>'"},
-                status_code=401,
-                headers={"WWW-Authenticate": "Bearer"},
-            )
+            return refused("retry")
         try:
             state = await watcher.retry(model)
         except NotLeader as exc:
@@ -281,7 +315,7 @@ def create_app(watcher: Watcher) -> FastAPI:
         except UnknownModel:
             return JSONResponse({"error": f"model '{model}' is not defined"}, status_code=404)
         except ConsulError as exc:
-            return JSONResponse({"error": f"retry of '{model}' failed: {exc}"}, status_code=503)
+            return JSONResponse({"error": f"retry of '{model}' failed: {redact(str(exc))}"}, status_code=503)
         # Which watcher did it, so `llmgw ctl retry` can say so after following a follower.
         return JSONResponse(
             {"model": model, "retried": True, "state": state.model_dump(), "leader": _leader(watcher)}

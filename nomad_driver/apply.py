@@ -16,7 +16,7 @@ from nomad_driver.consul import Consul
 from nomad_driver.nomad import Nomad
 from nomad_driver.reconcile import job_group, job_is_current
 from nomad_driver.render import render_job
-from nomad_driver.spec import ModelSet, parse_models
+from nomad_driver.spec import ModelSet, parse_models, read_models_text
 from nomad_driver.state import CONFIG_MODELS_KEY
 
 
@@ -64,7 +64,7 @@ def register_jobs(nomad: Nomad, models: ModelSet) -> ApplyResult:
 
 def apply_file(path: str | Path, *, consul: Consul | None = None, nomad: Nomad | None = None) -> ApplyResult:
     """Raises SpecError (bad file), ApplyConflict, ConsulError or NomadError."""
-    text = Path(path).read_text(encoding="utf-8")
+    text = read_models_text(path)
     models = parse_models(text, str(path))
 
     async def store() -> None:

@@ -49,7 +49,7 @@ def render(
 ) -> None:
     """Write one Nomad job per model, without a cluster. Exit code 2 when the file is invalid."""
     from nomad_driver.render import render_files
-    from nomad_driver.spec import SpecError, load_models
+    from nomad_driver.spec import SpecError, load_models, problem_line
 
     if datacenter or node_pool:
         typer.echo(
@@ -64,7 +64,7 @@ def render(
         model_set = load_models(models_file)
     except SpecError as exc:
         for problem in exc.problems:
-            typer.echo(f"{models_file}: {problem}", err=True)
+            typer.echo(problem_line(models_file, problem), err=True)
         count = len(exc.problems)
         typer.echo(f"{models_file}: {count} problem{'s' if count != 1 else ''}; nothing written", err=True)
         raise typer.Exit(2) from None
@@ -126,6 +126,13 @@ def router_command(
     first_byte_timeout: float = typer.Option(
         600.0, "--first-byte-timeout", help="Seconds a replica may think before its first byte."
     ),
+    max_connections: int = typer.Option(
+        0,
+        "--max-connections",
+        envvar="LLMGW_ROUTER_MAX_CONNECTIONS",
+        min=0,
+        help="Open client connections; past it the oldest idle one is closed (0: from the fd limit).",
+    ),
     no_activation: bool = typer.Option(
         False, "--no-activation", help="Never scale models up through Nomad; answer 503 instead."
     ),
@@ -144,6 +151,7 @@ def router_command(
             models_file=str(models_file or ""),
             max_body_bytes=int(max_body_mib * 1024 * 1024),
             first_byte_timeout_s=first_byte_timeout,
+            max_connections=max_connections,
             activation=not no_activation,
             log_level=log_level,
         )

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from nomad_driver.consul import Consul
+from nomad_driver.spec import redact
 
 log = logging.getLogger("llmgw.health")
 
@@ -59,6 +60,9 @@ class HealthEntries:
         """Register changed entries and remove stale ones; returns how many writes it made."""
         if self._known is None:
             self._known = await self._load()
+        # The Consul UI shows the output to anyone with catalog read; redacted before comparing,
+        # so that what was written compares equal to what is read back.
+        desired = {m: Entry(e.status, redact(e.output)) for m, e in desired.items()}
         writes = 0
         for model, entry in sorted(desired.items()):
             if self._known.get(model) == entry:

@@ -11,6 +11,8 @@ import logging
 import sys
 import time
 
+from nomad_driver.spec import redact
+
 _STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime", "taskName"}
 
 
@@ -35,7 +37,9 @@ class LogfmtFormatter(logging.Formatter):
                 parts.append(f"{key}={_quote(value)}")
         if record.exc_info:
             parts.append(f"exc={_quote(self.formatException(record.exc_info))}")
-        return " ".join(parts)
+        # Behind the validation that refuses credentials in sources: an engine's or a client
+        # library's error may still quote a URL with one.
+        return redact(" ".join(parts))
 
 
 def configure_logging(level: str = "info") -> None:

@@ -14,10 +14,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from nomad_driver.safeload import LoadError, compose_yaml, construct_yaml
 
 Engine = Literal["llama.cpp", "vllm", "llama-cpp-python"]
 ENGINES: tuple[str, ...] = ("llama.cpp", "vllm", "llama-cpp-python")
@@ -28,18 +30,29 @@ DEFAULT_ACTIVATION_TIMEOUT_S = 5 * 60.0
 # A model name becomes the Nomad job ID `llmgw-<name>`, the Consul tag `model=<name>`, a Consul KV
 # key segment and a URL path segment of the admin API. This alphabet is safe in all four, so the
 # name is never rewritten and the name a client asks for is the name everywhere else.
-MODEL_NAME_RE = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._-]{0,62}[A-Za-z0-9])?$")
+# Matched whole (fullmatch): `$` would also match before a trailing newline, and a name with
+# one renders broken HCL.
+MODEL_NAME_RE = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,62}[A-Za-z0-9])?")
 MODEL_NAME_RULE = (
     "1-64 characters from letters, digits, '.', '_' and '-', starting and ending with a letter or digit"
 )
 # Nomad's own rule for node pool names (`structs.validNodePoolName`).
 NODE_POOL_RE = re.compile(r"^[a-zA-Z0-9-_]{1,128}$")
 # Versions end up in a path on the node, a Docker image tag and a comma-separated node meta list.
-ENGINE_VERSION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+ENGINE_VERSION_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 SOURCE_SCHEMES = ("hf", "https", "s3", "file")
 
-_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h)")
+_DURATION_PART = re.compile(r"(\d{1,12}(?:\.\d{1,9})?)(ms|s|m|h)")
 _DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+# Bounds on numbers, so that what validates also registers: Nomad reads these as Go int64
+# (anything larger fails to decode), and far below that they stop meaning anything. A year is
+# longer than any idle or activation timeout an operator means.
+MAX_DURATION_S = 365 * 24 * 3600.0
+MAX_REPLICAS = 10_000
+MAX_MEMORY_MIB = 64 * 1024 * 1024  # 64 TiB of host memory
+MAX_GPU_MEMORY_MIB = 16 * 1024 * 1024  # 16 TiB per GPU
+MAX_CPU_MHZ = 10_000_000
+MAX_CONTEXT = 100_000_000
 
 
 class SpecError(Exception):
@@ -59,12 +72,12 @@ class Profile(BaseModel):
     engine_version: str
     gpus: int = Field(default=1, ge=0, le=64)
     # Per GPU, in MiB, as Nomad's nvidia device plugin reports `memory`; 0 asks for any size.
-    gpu_memory_mib: int = Field(default=0, ge=0)
+    gpu_memory_mib: int = Field(default=0, ge=0, le=MAX_GPU_MEMORY_MIB)
     gpu_models: list[str] = Field(default_factory=list)
-    cpu_mhz: int = Field(default=1000, ge=1)
+    cpu_mhz: int = Field(default=1000, ge=1, le=MAX_CPU_MHZ)
     # Nomad refuses a task with less than 10 MB of memory.
-    memory_mib: int = Field(default=4096, ge=10)
-    context: int = Field(default=4096, ge=1)
+    memory_mib: int = Field(default=4096, ge=10, le=MAX_MEMORY_MIB)
+    context: int = Field(default=4096, ge=1, le=MAX_CONTEXT)
     args: list[str] = Field(default_factory=list)
     # llama-cpp-python guesses the chat template from the GGUF and guesses wrong for some models
     # (Gemma answers empty strings with its fallback), so the profile can name it.
@@ -88,8 +101,8 @@ class Profile(BaseModel):
 class _Replicas(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    min: int = 1
-    max: int | None = None
+    min: int = Field(default=1, le=MAX_REPLICAS)
+    max: int | None = Field(default=None, le=MAX_REPLICAS)
 
 
 class _ModelDoc(BaseModel):
@@ -148,11 +161,16 @@ def parse_duration(value: object) -> float:
     """Seconds from `90`, "90", "30s", "15m", "1h", "1h30m", "500ms"."""
     if isinstance(value, bool):
         raise ValueError
-    if isinstance(value, int | float):
+    if isinstance(value, int):
+        # float() of a 400-digit integer raises OverflowError, not ValueError.
+        if abs(value) > MAX_DURATION_S:
+            raise ValueError
         seconds = float(value)
+    elif isinstance(value, float):
+        seconds = value
     elif isinstance(value, str):
         text = value.strip()
-        if re.fullmatch(r"\d+(?:\.\d+)?", text):
+        if re.fullmatch(r"\d{1,12}(?:\.\d{1,9})?", text):
             seconds = float(text)
         else:
             parts = list(_DURATION_PART.finditer(text))
@@ -161,7 +179,8 @@ def parse_duration(value: object) -> float:
             seconds = sum(float(p.group(1)) * _DURATION_UNITS[p.group(2)] for p in parts)
     else:
         raise ValueError
-    if seconds <= 0:
+    # `not <=` so that NaN, which compares false with everything, is refused too.
+    if not 0 < seconds <= MAX_DURATION_S:
         raise ValueError
     return seconds
 
@@ -192,14 +211,15 @@ def _load_yaml(text: str, problems: list[str]) -> Any:
     """The document, with duplicate keys added to `problems` (the rest is still validated, so
     the operator sees every problem in one run)."""
     try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-    except yaml.YAMLError as exc:
-        raise SpecError([f"(file): not valid YAML: {_yaml_error(exc)}"]) from None
-    if node is None:
-        return None
-    _check_duplicates(node, "", problems)
-    try:
-        return yaml.safe_load(text)
+        # Bounded (see safeload): depth, size, aliases and numbers are checked before the
+        # tree is walked, so a YAML bomb is refused in milliseconds instead of hanging.
+        node = compose_yaml(text)
+        if node is None:
+            return None
+        _check_duplicates(node, "", problems)
+        return construct_yaml(node)
+    except LoadError as exc:
+        raise SpecError([f"(file): not valid YAML: {exc.detail}"]) from None
     except yaml.YAMLError as exc:
         raise SpecError([f"(file): not valid YAML: {_yaml_error(exc)}"]) from None
 
@@ -243,6 +263,8 @@ def _pydantic_problems(prefix: str, exc: ValidationError, model: type[BaseModel]
         elif kind in ("model_type", "model_attributes_type", "dict_type"):
             yield f"{path}: expected a mapping, got {_describe(value)}"
         elif kind in ("greater_than_equal", "less_than_equal", "greater_than", "less_than"):
+            if isinstance(value, int) and abs(value) > 10**18:
+                value = f"a {len(str(abs(value)))}-digit number"
             yield f"{path}: {err['msg'].lower()}, got {_describe(value)}"
         else:
             yield f"{path}: {err['msg']}"
@@ -263,8 +285,70 @@ def _allowed_keys(model: type[BaseModel], loc: list[str]) -> list[str]:
 # --- sources ----------------------------------------------------------------------------------
 
 
+# Query parameters that carry a credential or a signature (AWS SigV4 presigned URLs, go-getter's
+# s3 options, the usual token names). Matched case-insensitively.
+SECRET_PARAMS = frozenset(
+    p.lower()
+    for p in (
+        "X-Amz-Signature",
+        "X-Amz-Credential",
+        "X-Amz-Security-Token",
+        "aws_access_key_id",
+        "aws_access_key_secret",
+        "aws_access_token",
+        "token",
+        "access_token",
+        "auth",
+        "sig",
+        "signature",
+        "secret",
+        "password",
+        "api_key",
+        "apikey",
+        "key",
+    )
+)
+SECRETS_HINT = (
+    "sources are shown to clients, operators and logs, so credentials never go in one: put them "
+    "in a Nomad Variable and into the engine's environment (e.g. HF_TOKEN or AWS_ACCESS_KEY_ID) "
+    "through a template; see docs/models.md, 'Credentials for sources'"
+)
+_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/\s@'\"]+@")
+_SECRET_QUERY = re.compile(
+    r"(?i)([?&;](?:" + "|".join(re.escape(p) for p in sorted(SECRET_PARAMS)) + r")=)[^&;#\s'\"]+"
+)
+_TOKENS = re.compile(r"(?i)\b(bearer\s+)[A-Za-z0-9._~+/=-]+|\bhf_[A-Za-z0-9]{8,}|\bAKIA[0-9A-Z]{16}\b")
+
+
+def redact(text: str) -> str:
+    """`text` with anything credential-shaped replaced by `***`: passwords in URLs, secret query
+    parameters, bearer tokens, Hugging Face and AWS key IDs. Used wherever a source or an engine's
+    error is shown, behind the validation that refuses them in sources."""
+    if not text:
+        return text
+    text = _USERINFO.sub(r"\1***@", text)
+    text = _SECRET_QUERY.sub(r"\1***", text)
+    return _TOKENS.sub(lambda m: (m.group(1) + "***") if m.group(1) else "***", text)
+
+
+def source_credentials(source: str) -> str | None:
+    """What in `source` is a credential (named, never shown), or None."""
+    parts = urlsplit(source)
+    if "@" in parts.netloc:
+        return "a user name or password before '@'"
+    found = sorted(
+        {k for k, _ in parse_qsl(parts.query, keep_blank_values=True) if k.lower() in SECRET_PARAMS}
+    )
+    if found:
+        return f"the query parameter{'s' if len(found) > 1 else ''} {', '.join(found)}"
+    return None
+
+
 def source_problem(source: str, engine: str) -> str | None:
     """Why `source` cannot be fetched for `engine`, or None when it can."""
+    secret = source_credentials(source)
+    if secret:
+        return f"source {redact(source)!r} carries a credential ({secret}); {SECRETS_HINT}"
     parts = urlsplit(source)
     scheme = parts.scheme
     if scheme not in SOURCE_SCHEMES:
@@ -326,15 +410,25 @@ def parse_models(text: str, origin: str = "<string>") -> ModelSet:
     return ModelSet(profiles=profiles, models=models)
 
 
-def load_models(path: str | Path) -> ModelSet:
+def read_models_text(path: str | Path) -> str:
+    """The text of a models file, or SpecError saying why it cannot be read (missing, a
+    directory, not UTF-8), for every verb that takes one."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8")
     except OSError as exc:
         raise SpecError([f"{path}: cannot read: {exc.strerror or exc}"]) from None
-    except UnicodeDecodeError:
-        raise SpecError([f"{path}: not UTF-8 text"]) from None
-    return parse_models(text, origin=str(path))
+    except UnicodeDecodeError as exc:
+        raise SpecError([f"{path}: not UTF-8 text (invalid byte at offset {exc.start})"]) from None
+
+
+def problem_line(path: str | Path, problem: str) -> str:
+    """`PATH: problem`, for a CLI; problems about the whole file already start with the path."""
+    return problem if problem.startswith(f"{path}:") else f"{path}: {problem}"
+
+
+def load_models(path: str | Path) -> ModelSet:
+    return parse_models(read_models_text(path), origin=str(path))
 
 
 def _parse_profiles(raw: Any, problems: list[str]) -> dict[str, Profile]:
@@ -356,7 +450,7 @@ def _parse_profiles(raw: Any, problems: list[str]) -> dict[str, Profile]:
             problems.extend(_pydantic_problems(path, exc, Profile))
             continue
         before = len(problems)
-        if not ENGINE_VERSION_RE.match(profile.engine_version):
+        if not ENGINE_VERSION_RE.fullmatch(profile.engine_version):
             problems.append(
                 f"{path}.engine_version: {profile.engine_version!r} is not a version: "
                 "letters, digits, '.', '_' and '-' only"
@@ -403,7 +497,7 @@ def _parse_models(
         name = str(key)
         path = f"models.{name}"
         before = len(problems)
-        if not isinstance(key, str) or not MODEL_NAME_RE.match(name):
+        if not isinstance(key, str) or not MODEL_NAME_RE.fullmatch(name):
             problems.append(f"{path}: invalid model name {name!r}: {MODEL_NAME_RULE}")
         if not isinstance(body, dict):
             problems.append(f"{path}: expected a mapping, got {_describe(body)}")
@@ -462,5 +556,10 @@ def _duration(raw: object, default: float, path: str, problems: list[str]) -> fl
     try:
         return parse_duration(raw)
     except ValueError:
-        problems.append(f"{path}: expected a positive duration like 90, '30s', '15m' or '1h', got {raw!r}")
+        shown = (
+            raw if not isinstance(raw, int) or abs(raw) < 10**18 else f"a {len(str(abs(raw)))}-digit number"
+        )
+        problems.append(
+            f"{path}: expected a positive duration up to a year, like 90, '30s', '15m' or '1h', got {shown!r}"
+        )
         return default

@@ -8,11 +8,13 @@ state yet" rather than crashing a router that is serving other models.
 
 from __future__ import annotations
 
-import json
+import math
 import time
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from nomad_driver.safeload import LoadError, json_loads
 
 KV_PREFIX = "llmgw/"
 STATE_PREFIX = "llmgw/state/"
@@ -65,9 +67,9 @@ def parse_state(key: str, raw: bytes | str | None) -> ModelState:
     if raw is None or raw == b"" or raw == "":
         return ModelState()
     try:
-        data: Any = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise MalformedState(key, f"not JSON ({exc})") from exc
+        data: Any = json_loads(raw)
+    except LoadError as exc:
+        raise MalformedState(key, f"not JSON ({exc.detail})") from None
     if not isinstance(data, dict):
         raise MalformedState(key, f"expected a JSON object, got {type(data).__name__}")
     try:
@@ -76,11 +78,21 @@ def parse_state(key: str, raw: bytes | str | None) -> ModelState:
         raise MalformedState(key, str(exc).replace("\n", "; ")) from exc
 
 
-def parse_activity(raw: bytes | str | None) -> float | None:
-    """`llmgw/activity/<model>` holds the Unix time of the last request, as text."""
-    if raw is None:
+# Clocks on different hosts disagree by seconds, not minutes; a time further ahead than this is
+# not a request that happened, and believing it (1e300) would keep a model from idling forever.
+ACTIVITY_FUTURE_SLACK_S = 300.0
+
+
+def parse_activity(raw: bytes | str | None, now: float | None = None) -> float | None:
+    """`llmgw/activity/<model>` holds the Unix time of the last request, as text. Anything that
+    is not a finite time up to a few minutes ahead of `now` reads as "no activity known"."""
+    if raw is None or len(raw) > 64:
         return None
     try:
-        return float(raw)
+        value = float(raw)
     except (TypeError, ValueError):
         return None
+    limit = (time.time() if now is None else now) + ACTIVITY_FUTURE_SLACK_S
+    if not math.isfinite(value) or not 0 <= value <= limit:
+        return None
+    return value

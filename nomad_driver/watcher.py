@@ -365,7 +365,7 @@ class Watcher:
                 state=state,
                 state_index=index,
                 state_problem=problem,
-                activity=parse_activity(activity_entry.value) if activity_entry else None,
+                activity=parse_activity(activity_entry.value, now) if activity_entry else None,
                 scaled_at=seen[1],
                 now=now,
             )

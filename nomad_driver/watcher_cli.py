@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import os
+import secrets
 import signal
 import socket
+import tempfile
 from pathlib import Path
 
 import typer
@@ -49,6 +52,34 @@ def advertise_address(listen: str, explicit: str = "") -> str:
     return f"{ip}:{port}"
 
 
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name that may resolve anywhere
+
+
+def admin_token(host: str) -> tuple[str, str]:
+    """The admin token, and a line to log about it. Beyond loopback an API without one would let
+    anyone who reaches it retry (five failed starts a time) and read sources and errors; so one
+    is generated, into a file only this user reads, and the log says where."""
+    token = os.environ.get(TOKEN_ENV, "").strip()
+    if token or is_loopback(host):
+        return token, ""
+    directory = Path(os.environ.get("NOMAD_SECRETS_DIR") or tempfile.mkdtemp(prefix="llmgw-admin-"))
+    path = directory / "llmgw-admin-token"
+    token = secrets.token_urlsafe(32)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(token + "\n")
+    return token, (
+        f"{TOKEN_ENV} is not set and the admin API listens on {host}, beyond loopback: generated a "
+        f"token into {path}; give it to 'llmgw ctl' as {TOKEN_ENV}, or set your own"
+    )
+
+
 def watcher(
     listen: str = typer.Option(
         "127.0.0.1:4700",
@@ -73,6 +104,15 @@ def watcher(
     ),
     leader_ttl: int = typer.Option(10, "--leader-ttl", min=10, help="Consul session TTL in seconds."),
     log_level: str = typer.Option("info", "--log-level", envvar="LLMGW_LOG_LEVEL"),
+    tls_cert: Path | None = typer.Option(
+        None, "--tls-cert", envvar="LLMGW_ADMIN_TLS_CERT", help="PEM certificate; serve HTTPS with --tls-key."
+    ),
+    tls_key: Path | None = typer.Option(
+        None, "--tls-key", envvar="LLMGW_ADMIN_TLS_KEY", help="PEM private key for --tls-cert."
+    ),
+    api_docs: bool = typer.Option(
+        False, "--api-docs", help="Serve FastAPI's /docs, /redoc and /openapi.json (off by default)."
+    ),
 ) -> None:
     """Watch Nomad and Consul: park failing models, name unplaceable ones, scale idle ones down."""
     import uvicorn
@@ -85,6 +125,16 @@ def watcher(
 
     configure_logging(log_level)
     host, port = split_listen(listen)
+    if bool(tls_cert) != bool(tls_key):
+        typer.echo("llmgw watcher: --tls-cert and --tls-key go together: give both, or neither", err=True)
+        raise typer.Exit(EXIT_BAD_INPUT)
+    for flag, tls_path in (("--tls-cert", tls_cert), ("--tls-key", tls_key)):
+        if tls_path is not None and not tls_path.is_file():
+            typer.echo(f"llmgw watcher: {flag} {tls_path}: no such file", err=True)
+            raise typer.Exit(EXIT_BAD_INPUT)
+    token, token_note = admin_token(host)
+    if token_note:
+        logging.getLogger("llmgw.admin").warning(token_note)
 
     async def main() -> int:
         consul = Consul()
@@ -97,7 +147,15 @@ def watcher(
         await w.start()
         server = uvicorn.Server(
             # log_config=None: uvicorn's lines go through the root logger, in llmgw's format.
-            uvicorn.Config(create_app(w), host=host, port=port, log_level="warning", log_config=None)
+            uvicorn.Config(
+                create_app(w, token=token or None, guard_reads=not is_loopback(host), docs=api_docs),
+                host=host,
+                port=port,
+                log_level="warning",
+                log_config=None,
+                ssl_certfile=str(tls_cert) if tls_cert else None,
+                ssl_keyfile=str(tls_key) if tls_key else None,
+            )
         )
         # uvicorn re-raises the signal that stopped it once serve() returns; with the default
         # SIGTERM handler that kills the process before the finally below releases the lock,
@@ -129,13 +187,13 @@ def apply(models: Path = typer.Argument(..., exists=True, dir_okay=False, help="
     from nomad_driver.apply import ApplyConflict, apply_file
     from nomad_driver.consul import ConsulError
     from nomad_driver.nomad import NomadError
-    from nomad_driver.spec import SpecError
+    from nomad_driver.spec import SpecError, problem_line
 
     try:
         result = apply_file(models)
     except SpecError as exc:
         for problem in exc.problems:
-            typer.echo(f"{models}: {problem}", err=True)
+            typer.echo(problem_line(models, problem), err=True)
         raise typer.Exit(EXIT_BAD_INPUT) from None
     except ApplyConflict as exc:
         typer.echo(f"llmgw apply: {exc}", err=True)

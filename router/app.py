@@ -183,7 +183,9 @@ class RouterApp:
                 if auth is None:
                     raise errors.unauthorized("missing API key: send it as 'Authorization: Bearer <key>'")
                 self._check_key(auth)
-            body = await read_body(receive, self.config.limits.max_body_bytes)
+            body = await read_body(
+                receive, self.config.limits.max_body_bytes, self.config.timeouts.body_read_s
+            )
             request = parse_request(body)
             model = request["model"]
             snapshot = self.discovery.snapshot

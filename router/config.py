@@ -38,6 +38,13 @@ class Timeouts:
     # How long a request waits for the model's activation evaluation from Nomad; the
     # scheduler answers in well under a second unless it is badly backed up.
     evaluation_s: float = 30.0
+    # A client's request head (request line and headers) must arrive within this of its first
+    # byte, or of the connection opening; one that dribbles a byte a second, or sends nothing,
+    # is what exhausts file descriptors (slowloris). Real clients send a head in one packet.
+    request_head_s: float = 10.0
+    # Each read of a request body must bring something within this; a slow chunked body holds
+    # a connection and a task for as long as the client likes otherwise.
+    body_read_s: float = 30.0
 
 
 @dataclass(frozen=True)
@@ -45,8 +52,12 @@ class Limits:
     # Chat requests with long contexts are a few hundred KiB of JSON; 8 MiB leaves room for
     # embeddings batches while keeping one client from holding the router's memory.
     max_body_bytes: int = 8 * 1024 * 1024
+    # Request line and headers together, enforced while they arrive (see router/server.py).
     max_header_bytes: int = 64 * 1024
     max_headers: int = 100
+    # Open client connections; past it the oldest idle one is closed for each new one. 0 means
+    # "from the file descriptor limit": each proxied request also holds one upstream socket.
+    max_connections: int = 0
 
 
 @dataclass(frozen=True)
@@ -143,7 +154,14 @@ def load_api_keys(path: str = "", env_value: str = "") -> tuple[str, ...]:
                 keys.append(line)
         if not keys:
             raise ConfigError(f"--api-keys-file {path}: no keys in it; remove the flag to disable auth")
-    keys.extend(k.strip() for k in env_value.split(",") if k.strip())
+    from_env = [k.strip() for k in env_value.split(",") if k.strip()]
+    if env_value.strip() and not from_env:
+        # `LLMGW_API_KEYS=" , "` is a mistake, not a wish to serve everyone without a key.
+        raise ConfigError(
+            "LLMGW_API_KEYS is set but holds no key (only commas and spaces); "
+            "give comma-separated keys, or unset it to serve without authentication"
+        )
+    keys.extend(from_env)
     return tuple(dict.fromkeys(keys))
 
 

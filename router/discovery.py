@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-import json
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -24,6 +23,7 @@ from typing import Any
 import aiohttp
 
 from nomad_driver.blocking import backoff_delay, next_index
+from nomad_driver.safeload import json_loads
 from nomad_driver.spec import Model, SpecError, parse_models
 from nomad_driver.state import CONFIG_MODELS_KEY, STATE_PREFIX, MalformedState, ModelState, parse_state
 from router.config import ConsulSettings
@@ -34,6 +34,7 @@ log = logging.getLogger("llmgw.router.discovery")
 # a churning catalog from turning the loop into a busy poll while still reacting in tens of ms.
 MIN_CALL_INTERVAL_S = 0.05
 BACKOFF_CAP_S = 10.0
+CONSUL_ANSWER_MAX_BYTES = 256 * 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -325,7 +326,8 @@ class Discovery:
             if resp.status != 200:
                 text = (await resp.text())[:200]
                 raise ConsulUnavailable(f"HTTP {resp.status}: {text}")
-            return index, json.loads(await resp.read())
+            # Consul's own answer; the values inside are read by parse_state and parse_models.
+            return index, json_loads(await resp.read(), path, max_bytes=CONSUL_ANSWER_MAX_BYTES)
 
     # -- turning answers into the snapshot ----------------------------------------------------
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 
+from nomad_driver.spec import redact
+
 # The SDKs retry 408, 409, 429 and 5xx unless told not to; a refusal that will give the same
 # answer on every retry must say so, or a client retries it forever (the phi-4 incident).
 NO_RETRY: tuple[tuple[bytes, bytes], ...] = ((b"x-should-retry", b"false"),)
@@ -75,7 +77,7 @@ def model_not_found(model: str, known: Iterable[str]) -> RouterError:
 
 
 def parked(model: str, failures: int, last_error: str) -> RouterError:
-    reason = last_error or "no error was recorded"
+    reason = redact(last_error) or "no error was recorded"
     return RouterError(
         503,
         "model_parked",
@@ -87,7 +89,7 @@ def parked(model: str, failures: int, last_error: str) -> RouterError:
 
 
 def unplaceable(model: str, reason: str) -> RouterError:
-    why = reason or "Nomad found no node for it"
+    why = redact(reason) or "Nomad found no node for it"
     return RouterError(
         503,
         "model_unplaceable",

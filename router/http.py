@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+from nomad_driver.safeload import LoadError, json_loads
 from router import errors
 from router.config import Limits
 from router.errors import RouterError
@@ -51,11 +53,15 @@ def read_headers(scope: Scope, limits: Limits) -> tuple[bytes | None, bytes | No
     return auth, session
 
 
-async def read_body(receive: Receive, limit: int) -> bytes:
+async def read_body(receive: Receive, limit: int, timeout_s: float = 30.0) -> bytes:
     chunks: list[bytes] = []
     size = 0
     while True:
-        message = await receive()
+        try:
+            async with asyncio.timeout(timeout_s):
+                message = await receive()
+        except TimeoutError:
+            raise body_timeout(size, timeout_s) from None
         if message["type"] == "http.disconnect":
             raise ClientGone
         chunk = message.get("body", b"")
@@ -73,9 +79,11 @@ def parse_request(body: bytes) -> dict[str, Any]:
     if not body:
         raise errors.bad_request("the request body is empty; expected a JSON object with a 'model' field")
     try:
-        request = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise errors.bad_request(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+        # Bounded: a 2 KB body of nested brackets is a 400 like any other bad JSON, never a 500
+        # with a traceback that the SDKs would retry.
+        request = json_loads(body, "the request body")
+    except LoadError as exc:
+        raise errors.bad_request(f"the request body is {exc.detail}", code="invalid_json") from None
     if not isinstance(request, dict):
         raise errors.bad_request(
             f"the request body must be a JSON object, not a {type(request).__name__}", code="invalid_json"
@@ -88,6 +96,18 @@ def parse_request(body: bytes) -> dict[str, Any]:
             param="model",
         )
     return request
+
+
+def body_timeout(size: int, timeout_s: float) -> RouterError:
+    # Connection: close, so that the rest of a slow body does not keep the connection (and
+    # its file descriptor) open after the answer.
+    return RouterError(
+        408,
+        "request_timeout",
+        f"the request body stopped arriving: nothing for {timeout_s:g}s after {size} bytes; "
+        "send the whole body at once",
+        headers=((b"connection", b"close"),),
+    )
 
 
 def too_large(size: int, limit: int) -> RouterError:

@@ -1,14 +1,329 @@
-"""Running the router under uvicorn, for `llmgw router`."""
+"""Running the router under uvicorn, for `llmgw router`, with its client connections bounded.
+
+uvicorn with httptools is the fastest server measured for the router, but it leaves three
+attacks open (issue 13): it checks no size while a request head arrives (httptools joins a
+header's pieces as they come, so one 64 MiB header held the event loop for seconds), it has
+no deadline for a head or for a connection that sends nothing (slowloris: 20,000 such
+connections used every file descriptor and health checks were reset), and no cap on open
+connections. uvicorn's own knobs do not cover these: `h11_max_incomplete_event_size` only
+applies to the slower h11 parser, `timeout_keep_alive` starts only after a first response, and
+`limit_concurrency` answers 503 to new requests while the idle connections it counts stay open.
+
+So the router serves through `GuardedProtocol`, httptools' protocol with a few lines around
+it: bytes of a head are counted before the parser sees them, headers are counted as they are
+parsed, a timer runs from a head's first byte (or the connection's opening) to its end, and
+past the connection cap the oldest idle connection is closed for each new one, so a client
+that sends a request now (a health check) is always served. The cost is one addition per
+read and one timer per request; bench/router_bench.py measures it (docs/benchmarks.md).
+"""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
 import os
+import resource
+import time
+from collections import Counter
 from dataclasses import replace
+from typing import Any, ClassVar
+
+import httptools
+import uvicorn
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from nomad_driver.logs import configure_logging
 from router.app import RouterApp
 from router.config import ConfigError, Limits, RouterConfig, Timeouts, from_env, load_api_keys, parse_listen
+
+log = logging.getLogger("llmgw.router.connections")
+
+# Room for the request line and the separators on top of the headers' own bytes.
+HEAD_SLACK_BYTES = 8 * 1024
+# Sockets kept for everything but client connections (Consul watches, Nomad, logs), and the
+# most connections the automatic cap allows: each proxied request also holds an upstream socket.
+RESERVED_FDS = 128
+AUTO_MAX_CONNECTIONS = 16384
+# Dropped connections are logged at once, then summed up at most this often: under attack a
+# line per connection would be the next problem.
+DROP_LOG_INTERVAL_S = 30.0
+
+_REASONS = {408: "Request Timeout", 431: "Request Header Fields Too Large", 503: "Service Unavailable"}
+
+
+def auto_max_connections() -> int:
+    """Half of what the file descriptor limit leaves (a client and an upstream socket per
+    request), after raising the soft limit to the hard one as servers usually do."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        target = 1 << 20 if hard == resource.RLIM_INFINITY else hard
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    return max(16, min(AUTO_MAX_CONNECTIONS, (soft - RESERVED_FDS) // 2))
+
+
+class ConnectionGuard:
+    """What the connections of one server share: the limits, the idle connections oldest
+    first, and the count of connections closed for each reason."""
+
+    def __init__(self, limits: Limits, timeouts: Timeouts, max_connections: int) -> None:
+        self.max_header_bytes = limits.max_header_bytes
+        self.max_head_bytes = limits.max_header_bytes + HEAD_SLACK_BYTES
+        self.max_headers = limits.max_headers
+        self.head_s = timeouts.request_head_s
+        self.max_connections = max_connections
+        # Insertion order is idle-since order; a dict is the ordered set.
+        self.idle: dict[GuardedProtocol, None] = {}
+        self.dropped: Counter[str] = Counter()
+        self._unlogged: Counter[str] = Counter()
+        self._logged_at = 0.0
+
+    def note_drop(self, reason: str) -> None:
+        self.dropped[reason] += 1
+        self._unlogged[reason] += 1
+        now = time.monotonic()
+        if now - self._logged_at >= DROP_LOG_INTERVAL_S:
+            counts = ", ".join(f"{n} {r}" for r, n in sorted(self._unlogged.items()))
+            log.warning(
+                "closed client connections: %s (limits: %d connections, %d-byte heads, %d headers, "
+                "%gs per head; see docs/router.md, 'Connection limits')",
+                counts,
+                self.max_connections,
+                self.max_header_bytes,
+                self.max_headers,
+                self.head_s,
+            )
+            self._unlogged.clear()
+            self._logged_at = now
+
+    def make_room(self, newcomer: GuardedProtocol) -> None:
+        """Over the cap: close the connection idle the longest, or refuse the newcomer when every
+        other connection is busy with a request."""
+        for oldest in self.idle:
+            if oldest is not newcomer:
+                del self.idle[oldest]
+                oldest.transport.close()
+                self.note_drop("idle_over_cap")
+                return
+        newcomer.refuse(503, "too_many_connections", "the router is at its connection limit; retry shortly")
+
+
+class GuardedProtocol(HttpToolsProtocol):
+    """httptools' protocol with the head bounded in bytes, headers and time (see the module)."""
+
+    guard: ClassVar[ConnectionGuard]
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._head_bytes = 0
+        self._tail = b""
+        self._header_count = 0
+        self._in_head = True
+        self._message_done = True
+        self._refused = False
+        self._head_timer: asyncio.TimerHandle | None = None
+        self.guard.idle[self] = None
+        # From the opening: a connection that never sends a byte is closed like a slow head.
+        self._head_timer = self.loop.call_later(self.guard.head_s, self._head_timed_out)
+        if len(self.connections) > self.guard.max_connections:
+            self.guard.make_room(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.guard.idle.pop(self, None)
+        self._cancel_head_timer()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return
+        if self._in_head:
+            seen = self._head_bytes + len(data)
+            if seen > self.guard.max_head_bytes:
+                # Only now look for where the head ends: the body may follow it in this read.
+                end = (self._tail + data).find(b"\r\n\r\n")
+                if end < 0 or self._head_bytes - len(self._tail) + end > self.guard.max_head_bytes:
+                    self.refuse(
+                        431,
+                        "headers_too_large",
+                        f"the request head is over {self.guard.max_head_bytes} bytes; "
+                        f"headers may take at most {self.guard.max_header_bytes}",
+                    )
+                    return
+            self._head_bytes = seen
+            self._tail = data[-3:]
+            if self._head_timer is None:
+                self._head_timer = self.loop.call_later(self.guard.head_s, self._head_timed_out)
+        # uvicorn's own data_received, except that a head refused above, in a parser callback,
+        # is not also answered 400 and logged as an invalid request.
+        self._unset_keepalive_if_required()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            if self._refused:
+                return
+            self.logger.warning("Invalid HTTP request received.")
+            self.send_400_response("Invalid HTTP request received.")
+        except httptools.HttpParserUpgrade:
+            if self._should_upgrade():
+                self.handle_websocket_upgrade()
+            else:
+                self._unsupported_upgrade_warning()
+
+    def on_message_begin(self) -> None:
+        self._header_count = 0
+        self._header_size = 0
+        self._message_done = False
+        super().on_message_begin()
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._header_count += 1
+        self._header_size += len(name) + len(value)
+        super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        self._cancel_head_timer()
+        self.guard.idle.pop(self, None)
+        guard = self.guard
+        if self._header_count > guard.max_headers:
+            self.refuse(
+                431, "headers_too_large", f"{self._header_count} headers; at most {guard.max_headers}"
+            )
+        elif self._header_size > guard.max_header_bytes:
+            self.refuse(
+                431,
+                "headers_too_large",
+                f"{self._header_size} bytes of headers; at most {guard.max_header_bytes}",
+            )
+        if self._refused:
+            # Stops the parser; data_received below answers nothing more (send_400_response).
+            raise ConnectionRefusedError
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        self._message_done = True
+        self._in_head = True
+        self._head_bytes = 0
+        self._tail = b""
+        super().on_message_complete()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self.transport.is_closing():
+            return
+        if not self._message_done:
+            # Answered before its body was read (a refusal, a timeout): what is left of the
+            # body would hold the connection open, so it is closed instead.
+            self.transport.close()
+            return
+        if not self.pipeline:
+            self.guard.idle[self] = None
+
+    def send_400_response(self, msg: str) -> None:
+        if self._refused or self.transport.is_closing():
+            return
+        super().send_400_response(msg)
+
+    def refuse(self, status: int, code: str, message: str) -> None:
+        """Answer with an OpenAI-style error and close the connection."""
+        if self._refused:
+            return
+        self._refused = True
+        self._cancel_head_timer()
+        self.guard.idle.pop(self, None)
+        self.guard.note_drop(code)
+        body = json.dumps(
+            {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}
+        ).encode()
+        head = (
+            f"HTTP/1.1 {status} {_REASONS.get(status, '')}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+        ).encode()
+        if not self.transport.is_closing():
+            self.transport.write(head + body)
+            self.transport.close()
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if not self._in_head or self.transport.is_closing():
+            return
+        if self._head_bytes:
+            self.refuse(
+                408,
+                "request_timeout",
+                f"the request head did not arrive within {self.guard.head_s:g}s; send it at once",
+            )
+        elif self.cycle is None:
+            # Opened and never used: closed without an answer, as nginx does.
+            self.guard.idle.pop(self, None)
+            self.guard.note_drop("silent")
+            self.transport.close()
+
+    def _cancel_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+
+class GuardCollector(Collector):
+    """Connections the guards closed, by reason, and the cap, in the router's /metrics."""
+
+    def __init__(self, guard: ConnectionGuard) -> None:
+        self.guard = guard
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> list[Metric]:
+        closed = CounterMetricFamily(
+            "llmgw_router_connections_closed",
+            "Client connections the router closed to protect itself, by reason.",
+            labels=["reason"],
+        )
+        for reason, count in sorted(self.guard.dropped.items()):
+            closed.add_metric([reason], count)
+        cap = GaugeMetricFamily(
+            "llmgw_router_max_connections",
+            "Open client connections past which the oldest idle one is closed.",
+        )
+        cap.add_metric([], self.guard.max_connections)
+        return [closed, cap]
+
+
+def protocol_for(config: RouterConfig) -> type[GuardedProtocol]:
+    """A protocol class bound to one server's limits (uvicorn builds it from the class alone)."""
+    limit = config.limits.max_connections or auto_max_connections()
+    guard = ConnectionGuard(config.limits, config.timeouts, limit)
+    return type("RouterProtocol", (GuardedProtocol,), {"guard": guard})
+
+
+def uvicorn_config(app: Any, config: RouterConfig, *, log_level: str = "info") -> uvicorn.Config:
+    """How the router is served, for `llmgw router` and for the tests that attack it."""
+    protocol = protocol_for(config)
+    if isinstance(app, RouterApp):
+        app.metrics.add_collector(GuardCollector(protocol.guard))
+    return uvicorn.Config(
+        app,
+        host=config.host,
+        port=config.port,
+        http=protocol,
+        ssl_certfile=config.tls_cert or None,
+        ssl_keyfile=config.tls_key or None,
+        lifespan="on",
+        log_level=log_level,
+        # uvicorn's own lines go through the root logger, in the one llmgw format.
+        log_config=None,
+        # One line per request costs more than the proxying; the metrics count every request.
+        access_log=False,
+        # Clients such as the openai SDK keep connections open between calls.
+        timeout_keep_alive=75,
+    )
 
 
 def build_config(
@@ -20,6 +335,7 @@ def build_config(
     models_file: str = "",
     max_body_bytes: int = Limits.max_body_bytes,
     first_byte_timeout_s: float = Timeouts.first_byte_s,
+    max_connections: int = Limits.max_connections,
 ) -> RouterConfig:
     host, port = parse_listen(listen)
     if bool(tls_cert) != bool(tls_key):
@@ -31,6 +347,8 @@ def build_config(
         raise ConfigError("--max-body-mib must be positive")
     if first_byte_timeout_s <= 0:
         raise ConfigError("--first-byte-timeout must be positive")
+    if max_connections < 0:
+        raise ConfigError("--max-connections must be positive, or 0 for the automatic cap")
     config = from_env()
     return replace(
         config,
@@ -40,14 +358,12 @@ def build_config(
         tls_cert=tls_cert,
         tls_key=tls_key,
         models_file=models_file,
-        limits=replace(config.limits, max_body_bytes=max_body_bytes),
+        limits=replace(config.limits, max_body_bytes=max_body_bytes, max_connections=max_connections),
         timeouts=replace(config.timeouts, first_byte_s=first_byte_timeout_s),
     )
 
 
 def serve(*, activation: bool = True, log_level: str = "info", **options: object) -> None:
-    import uvicorn
-
     config = build_config(**options)  # type: ignore[arg-type]
     configure_logging(log_level)
     app = RouterApp(config, activation=activation)
@@ -55,19 +371,4 @@ def serve(*, activation: bool = True, log_level: str = "info", **options: object
         logging.getLogger("llmgw.router").warning(
             "no API keys configured: anyone who can reach %s:%d can use every model", config.host, config.port
         )
-    uvicorn.run(
-        app,
-        host=config.host,
-        port=config.port,
-        ssl_certfile=config.tls_cert or None,
-        ssl_keyfile=config.tls_key or None,
-        lifespan="on",
-        log_level=log_level,
-        # uvicorn's own lines go through the root logger, in the one llmgw format.
-        log_config=None,
-        # One line per request costs more than the proxying; the metrics count every request.
-        access_log=False,
-        # Clients such as the openai SDK keep connections open between calls.
-        timeout_keep_alive=75,
-        h11_max_incomplete_event_size=config.limits.max_header_bytes,
-    )
+    uvicorn.Server(uvicorn_config(app, config, log_level=log_level)).run()

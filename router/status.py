@@ -6,6 +6,7 @@ import time
 from collections.abc import Callable, Collection
 from typing import Any
 
+from nomad_driver.spec import redact
 from router import errors
 from router.discovery import Discovery, Snapshot
 
@@ -42,13 +43,13 @@ def model_status(model: str, snapshot: Snapshot, activating: bool) -> dict[str, 
         status["state"] = "activating"
     elif state is not None and state.unplaceable:
         # The watcher's last answer; a request still asks Nomad afresh (docs/router.md).
-        status.update(state="unplaceable", reason=state.placement_reason)
+        status.update(state="unplaceable", reason=redact(state.placement_reason))
     elif total:
         status["state"] = "starting"
     else:
         status["state"] = "idle"
     if state is not None and state.last_error and "reason" not in status:
-        status["last_error"] = state.last_error
+        status["last_error"] = redact(state.last_error)
     return status
 
 
@@ -82,7 +83,7 @@ def health(discovery: Discovery, consul_addr: str) -> tuple[int, dict[str, Any]]
         "models": len(snapshot.known_models()),
         "ready_replicas": sum(len(rs) for rs in snapshot.ready.values()),
         "models_origin": snapshot.models_origin or None,
-        "models_error": snapshot.models_error or None,
+        "models_error": redact(snapshot.models_error) or None,
     }
     return code, body
 

@@ -28,6 +28,7 @@ from devstack import lifetime
 from devstack.ports import free_port
 from router.app import RouterApp
 from router.config import ConsulSettings, NomadSettings, RouterConfig
+from router.server import uvicorn_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -104,18 +105,8 @@ def start_router() -> Iterator[StartRouter]:
         )
         config = replace(config, **overrides)
         app = RouterApp(config, activation=activation)
-        server = uvicorn.Server(
-            uvicorn.Config(
-                app,
-                host="127.0.0.1",
-                port=port,
-                lifespan="on",
-                log_level="warning",
-                access_log=False,
-                ssl_certfile=config.tls_cert or None,
-                ssl_keyfile=config.tls_key or None,
-            )
-        )
+        # Served exactly as `llmgw router` serves it, connection guards included.
+        server = uvicorn.Server(uvicorn_config(app, config, log_level="warning"))
         thread = threading.Thread(target=server.run, name=f"router-{port}", daemon=True)
         thread.start()
         scheme = "https" if config.tls_cert else "http"

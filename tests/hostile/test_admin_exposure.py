@@ -1,0 +1,97 @@
+"""Issue 13, item 8: the admin API and the router's keys by default. With no token anyone who
+reached the admin API could `retry` (five failed starts a time) and read every source and
+error, FastAPI's /docs were open, `Bearer` was case-sensitive there, and `LLMGW_API_KEYS=" , "`
+served everyone with only a warning."""
+
+from __future__ import annotations
+
+import stat
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from typer.testing import CliRunner
+
+from nomad_driver.admin import create_app
+from nomad_driver.cli import app as cli_app
+from nomad_driver.watcher_cli import admin_token
+from tests.watcher_support import CRASH_AND_IDLE_MODELS, until, watcher_on_standin
+
+pytestmark = pytest.mark.timeout(120)
+
+
+async def test_beyond_loopback_reads_and_writes_need_the_token_and_docs_are_off(
+    consul_url: str, start_standin: Any
+) -> None:
+    _standin, consul, _nomad, watcher = await watcher_on_standin(
+        consul_url, start_standin, CRASH_AND_IDLE_MODELS, ident="w", clock_speed=20.0
+    )
+    await watcher.start()
+    try:
+        await until(lambda: "idle" in watcher.decisions, 30, "a first pass")
+        app = create_app(watcher, token="sesame", guard_reads=True)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://admin") as c:
+            for path in ("/v1/admin/models", "/v1/admin/summary", "/v1/admin/nodes", "/v1/admin/models/idle"):
+                refused = await c.get(path)
+                assert refused.status_code == 401, path
+                assert "LLMGW_ADMIN_TOKEN" in refused.json()["error"]
+            assert (await c.post("/v1/admin/models/idle/retry")).status_code == 401
+            wrong = await c.get("/v1/admin/models", headers={"Authorization": "Bearer guess"})
+            assert wrong.status_code == 401
+            # The scheme in any case, as RFC 9110 has it and as the router reads it.
+            for scheme in ("Bearer", "bearer", "BEARER"):
+                ok = await c.get("/v1/admin/models", headers={"Authorization": f"{scheme} sesame"})
+                assert ok.status_code == 200, scheme
+            # Probes and Prometheus need no token.
+            assert (await c.get("/healthz")).status_code == 200
+            assert (await c.get("/metrics")).status_code == 200
+            for path in ("/docs", "/redoc", "/openapi.json"):
+                docs = await c.get(path, headers={"Authorization": "Bearer sesame"})
+                assert docs.status_code == 404, path
+        with_docs = create_app(watcher, docs=True)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=with_docs), base_url="http://a") as c:
+            assert (await c.get("/openapi.json")).status_code == 200
+    finally:
+        await watcher.stop()
+        await consul.close()
+
+
+def test_a_token_is_generated_when_the_api_listens_beyond_loopback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("LLMGW_ADMIN_TOKEN", raising=False)
+    monkeypatch.setenv("NOMAD_SECRETS_DIR", str(tmp_path))
+    assert admin_token("127.0.0.1") == ("", "")
+    assert admin_token("::1") == ("", "")
+    token, note = admin_token("0.0.0.0")
+    path = tmp_path / "llmgw-admin-token"
+    assert len(token) >= 32
+    assert path.read_text().strip() == token
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert str(path) in note
+    monkeypatch.setenv("LLMGW_ADMIN_TOKEN", "mine")
+    assert admin_token("0.0.0.0") == ("mine", "")
+
+
+def test_api_keys_that_parse_to_no_key_are_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LLMGW_API_KEYS", " , ")
+    result = CliRunner().invoke(cli_app, ["router", "--listen", "127.0.0.1:1"])
+    assert result.exit_code == 2, result.output
+    assert "LLMGW_API_KEYS is set but holds no key" in result.output
+
+
+@pytest.mark.parametrize(
+    ("args", "problem"),
+    [
+        (["--tls-cert", "/etc/hostname"], "--tls-cert and --tls-key go together"),
+        (
+            ["--tls-cert", "/nonexistent.pem", "--tls-key", "/nonexistent.key"],
+            "--tls-cert /nonexistent.pem: no such file",
+        ),
+    ],
+)
+def test_the_watcher_refuses_half_a_tls_setting(args: list[str], problem: str) -> None:
+    result = CliRunner().invoke(cli_app, ["watcher", "--listen", "127.0.0.1:1", *args])
+    assert result.exit_code == 2, result.output
+    assert problem in result.output
