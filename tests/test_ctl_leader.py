@@ -20,6 +20,8 @@ from nomad_driver.state import CONFIG_MODELS_KEY, ModelState, parse_state, state
 from tests.test_watcher_failover import leader_of, wait_for
 from tests.watcher_support import CRASH_AND_IDLE_MODELS
 
+ADMIN_TOKEN = "ctl-leader-test-token"
+
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 
 
@@ -41,7 +43,9 @@ def wildcard_watchers(
             NOMAD_ADDR=standin.url,
             NOMAD_ADDR_admin=f"127.0.0.1:{port}",
         )
-        env.pop("LLMGW_ADMIN_TOKEN", None)
+        # Beyond loopback the admin API wants a token for reads and writes; watchers share one,
+        # as the shipped job gives them from one Nomad Variable.
+        env["LLMGW_ADMIN_TOKEN"] = ADMIN_TOKEN
         env.pop("LLMGW_ADMIN_ADVERTISE", None)
         log = (tmp_path / f"watcher-{i}.log").open("wb")
         proc = subprocess.Popen(
@@ -72,13 +76,22 @@ def test_ctl_retry_sent_to_a_follower_is_done_by_the_leader_and_says_which(
     leader_url = wildcard_watchers[lead][1]
     # The follower names a leader it can be reached at, not the 0.0.0.0 it listens on.
     named = wait_for(
-        lambda: requests.get(f"{follower_url}/v1/admin/models", timeout=2).json().get("leader"),
+        lambda: (
+            requests.get(
+                f"{follower_url}/v1/admin/models",
+                headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
+                timeout=2,
+            )
+            .json()
+            .get("leader")
+        ),
         30,
         "a named leader",
     )
     assert named["address"] == leader_url.removeprefix("http://")
 
-    env = {k: v for k, v in os.environ.items() if k not in ("LLMGW_ADMIN_TOKEN", "LLMGW_ADMIN_ADDR")}
+    env = {k: v for k, v in os.environ.items() if k != "LLMGW_ADMIN_ADDR"}
+    env["LLMGW_ADMIN_TOKEN"] = ADMIN_TOKEN
     result = subprocess.run(
         [sys.executable, "-m", "nomad_driver.cli", "ctl", "--addr", follower_url, "retry", "idle"],
         capture_output=True,
