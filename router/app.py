@@ -272,6 +272,7 @@ class RouterApp:
                 break
             replica = snapshot.by_id[replica_id]
             balancer.acquire(replica_id)
+            self.activity.begin(model, replica_id)
             try:
                 try:
                     resp = await self.upstream.open(self._url(replica, path), body)
@@ -293,6 +294,7 @@ class RouterApp:
                     resp.release()
             finally:
                 balancer.release(replica_id)
+                self.activity.end(model, replica_id)
         raise RouterError(
             502,
             "upstream_unavailable",
