@@ -489,7 +489,9 @@ class Watcher:
                 # Within the lease: a Consul that hangs must not hold the pass, and with it the
                 # next leader-only step, past the moment this watcher may still act.
                 async with asyncio.timeout(max(0.1, self.leadership.lease_left())):
-                    await self.health.sync({n: Entry(d.health, d.health_output) for n, d in decisions.items()})
+                    await self.health.sync(
+                        {n: Entry(d.health, d.health_output) for n, d in decisions.items()}
+                    )
             except (ConsulError, TimeoutError) as exc:
                 self.health.forget()
                 log.warning("event=health_sync_failed error=%r", str(exc) or type(exc).__name__)
