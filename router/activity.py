@@ -33,6 +33,10 @@ log = logging.getLogger("llmgw.router.activity")
 
 Writer = Callable[[str, str], Awaitable[None]]
 
+# The "replica" of a request still waiting for one (activation): counted as in flight for the
+# model, on no replica.
+WAITING = ""
+
 
 def default_router_id() -> str:
     """Stable for the life of a Nomad allocation, unique per process elsewhere."""
@@ -57,7 +61,8 @@ class ActivityRecorder:
         self._pending[model] = time.time()
 
     def begin(self, model: str, replica: str) -> None:
-        """A request was sent to `replica`; it counts as in flight until `end`."""
+        """A request was sent to `replica` (or waits for one, `WAITING`); it counts as in
+        flight until `end`."""
         on_model = self._open.setdefault(model, {})
         on_model[replica] = on_model.get(replica, 0) + 1
 
@@ -81,7 +86,7 @@ class ActivityRecorder:
             "at": round(time.time(), 3),
             "interval_s": self.interval_s,
             "models": {
-                model: {"requests": sum(replicas.values()), "replicas": sorted(replicas)}
+                model: {"requests": sum(replicas.values()), "replicas": sorted(r for r in replicas if r)}
                 for model, replicas in sorted(self._open.items())
             },
         }

@@ -24,7 +24,7 @@ from nomad_driver.watcher import Watcher, WatcherConfig
 from tests.router.conftest import StartRouter
 from tests.watcher_support import PROFILES, engines_dir, node, until
 
-pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
 IDLE_S = 2
 STALL_S = 10  # well past idle_timeout plus the routers' interval plus a pass or two
@@ -41,24 +41,27 @@ models:
     profile: cpu
     replicas: {{min: 0, max: 1}}
     idle_timeout: {IDLE_S}s
-    activation_timeout: 180s
+    activation_timeout: 400s
 """
     )
 
 
-def engine_pid(gguf: Path) -> int:
-    """The engine process serving `gguf`, found by its command line."""
-    me = os.getpid()
+def engine_pid(port: int) -> int:
+    """The engine process listening on `port`, found by its command line (`--port N`)."""
     for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == me:
+        if not entry.isdigit():
             continue
         try:
-            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if str(gguf).encode() in cmdline and b"llama_cpp" in cmdline:
+        if (
+            b"llama_cpp.server" in argv
+            and b"--port" in argv
+            and argv[argv.index(b"--port") + 1] == b"%d" % port
+        ):
             return int(entry)
-    raise AssertionError(f"no engine process for {gguf}")
+    raise AssertionError(f"no engine process listening on port {port}")
 
 
 def job(url: str) -> dict[str, Any]:
@@ -97,7 +100,7 @@ async def test_a_stream_that_outlives_idle_timeout_completes_and_its_replica_sta
             lambda: httpx.get(f"{standin.url}/v1/job/llmgw-tiny", timeout=5).status_code == 200, 30, "job"
         )
         router = start_router(consul_url, activation=True, nomad_url=standin.url, activity_interval_s=1.0)
-        client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="none", max_retries=0, timeout=240)
+        client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="none", max_retries=0, timeout=420)
 
         # The first request starts the model (activation); then the stream under test.
         first = await asyncio.to_thread(
@@ -110,7 +113,7 @@ async def test_a_stream_that_outlives_idle_timeout_completes_and_its_replica_sta
         allocs = running_allocs(standin.url)
         assert len(allocs) == 1
 
-        pid = engine_pid(gguf)
+        pid = engine_pid(router.app.discovery.snapshot.ready["tiny"][0].port)
         seen_in_flight: list[int] = []
         marks: dict[str, float] = {}
 
@@ -120,8 +123,9 @@ async def test_a_stream_that_outlives_idle_timeout_completes_and_its_replica_sta
             finish = None
             response = client.chat.completions.create(
                 model="tiny",
-                messages=[{"role": "user", "content": "tell me a long story"}],
-                max_tokens=200,
+                # Byte tokens and a 256-token context: a short prompt leaves room for 150.
+                messages=[{"role": "user", "content": "hi"}],
+                max_tokens=150,
                 stream=True,
                 logit_bias={str(EOS_ID): -100},
             )
