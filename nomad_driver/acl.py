@@ -125,7 +125,7 @@ CALLS: dict[Component, tuple[Call, ...]] = {
             _key("llmgw/leader", "read"),
             _key("llmgw/state/", "write", prefix=True),
         ),
-        # consul.kv_delete has no caller yet; whatever it deletes will be under llmgw/.
+        # The leader deletes the in-flight keys of routers gone for an hour (watcher.py).
         _consul(
             "DELETE", "/v1/kv/llmgw/<key>", "remove a key llmgw owns", _key("llmgw/", "write", prefix=True)
         ),
@@ -232,6 +232,12 @@ CALLS: dict[Component, tuple[Call, ...]] = {
             "/v1/kv/llmgw/activity/<model>",
             "last request time",
             _key("llmgw/activity/", "write", prefix=True),
+        ),
+        _consul(
+            "PUT",
+            "/v1/kv/llmgw/inflight/<router>",
+            "this router's requests in flight per model",
+            _key("llmgw/inflight/", "write", prefix=True),
         ),
         # Nomad (router/activation.py): on-demand activation only.
         _nomad("GET", "/v1/job/<job>", "the model job's group and count", _ns("read-job")),

@@ -92,14 +92,27 @@ class WatcherCollector(Collector):
             "unplaceable": GaugeMetricFamily(
                 "llmgw_model_unplaceable", "1 while Nomad cannot place the model anywhere.", labels=["model"]
             ),
+            "refused": GaugeMetricFamily(
+                "llmgw_model_action_refused",
+                "1 while Nomad refuses, for good (a 4xx), to register or scale the model's job.",
+                labels=["model"],
+            ),
+            "in_flight": GaugeMetricFamily(
+                "llmgw_model_in_flight_requests",
+                "Requests in flight on the model's replicas, summed over the routers.",
+                labels=["model"],
+            ),
         }
         for name in sorted(w.models):
             d = w.decisions.get(name)
+            v = w.views.get(name)
+            gauges["in_flight"].add_metric([name], v.in_flight if v else 0)
             gauges["desired"].add_metric([name], d.desired if d else 0)
             gauges["ready"].add_metric([name], d.ready if d else 0)
             gauges["failures"].add_metric([name], d.state.consecutive_failures if d else 0)
             gauges["parked"].add_metric([name], 1 if d and d.state.parked else 0)
             gauges["unplaceable"].add_metric([name], 1 if d and d.state.unplaceable else 0)
+            gauges["refused"].add_metric([name], 1 if d and d.state.last_action_error else 0)
         yield from gauges.values()
         leader = GaugeMetricFamily("llmgw_leader", "1 on the watcher that leads.")
         leader.add_metric([], 1 if w.leadership.is_leader else 0)
@@ -133,10 +146,14 @@ def model_status(w: Watcher, name: str) -> dict[str, Any]:
     """One model as the admin API and `llmgw ctl` show it."""
     d = w.decisions.get(name)
     m = w.models.get(name)
+    view = w.views.get(name)
     if d is None or m is None:
         raise UnknownModel(name)
+    refused = d.state.last_action_error
     if d.state.parked:
         word = "parked"
+    elif refused is not None:
+        word = "refused"
     elif d.state.unplaceable:
         word = "unplaceable"
     elif d.ready >= d.desired:
@@ -168,6 +185,9 @@ def model_status(w: Watcher, name: str) -> dict[str, Any]:
         "unplaceable": d.state.unplaceable,
         "placement_reason": redact(d.state.placement_reason),
         "placement_eval": d.state.placement_eval,
+        "last_action_error": refused.model_dump() if refused is not None else None,
+        "in_flight": view.in_flight if view else 0,
+        "busy_replicas": view.busy_replicas if view else 0,
     }
 
 

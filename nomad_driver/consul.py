@@ -13,7 +13,7 @@ import base64
 import json
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import httpx
@@ -43,9 +43,15 @@ class TxnResult:
     errors: tuple[str, ...] = ()
     # ModifyIndex of each KV entry the transaction wrote, by key.
     indexes: Mapping[str, int] = field(default_factory=dict)
+    # The positions (Consul's `OpIndex`) of the operations that failed.
+    failed_ops: tuple[int, ...] = ()
+    # Where the transaction's `check-session` op sits, when it has one.
+    session_check_op: int | None = None
 
     def failed_session_check(self) -> bool:
-        return any("session" in e for e in self.errors)
+        """The lock was lost: told by the position of the failed op, never by its text, since a
+        key or a model name can say "session" too and a plain CAS conflict is no lost lock."""
+        return self.session_check_op is not None and self.session_check_op in self.failed_ops
 
 
 def _addr_from_env() -> str:
@@ -177,8 +183,15 @@ class Consul:
         resp = await self._call("PUT", f"/v1/kv/{key}", params=params, content=data)
         return resp.text.strip() == "true"
 
-    async def kv_delete(self, key: str, *, recurse: bool = False) -> None:
-        await self._call("DELETE", f"/v1/kv/{key}", params={"recurse": "true"} if recurse else None)
+    async def kv_delete(self, key: str, *, recurse: bool = False, cas: int | None = None) -> bool:
+        """False when `cas` is given and the key changed since (then nothing was deleted)."""
+        params: dict[str, Any] = {}
+        if recurse:
+            params["recurse"] = "true"
+        if cas is not None:
+            params["cas"] = cas
+        resp = await self._call("DELETE", f"/v1/kv/{key}", params=params)
+        return resp.text.strip() != "false"
 
     async def txn(self, ops: list[dict[str, Any]]) -> TxnResult:
         """Atomic: all ops apply or none (409 with the reasons)."""
@@ -194,8 +207,11 @@ class Consul:
                 if isinstance(kv, dict) and kv.get("Key"):
                     indexes[str(kv["Key"])] = int(kv.get("ModifyIndex") or 0)
             return TxnResult(True, indexes=indexes)
-        errors = body.get("Errors") if isinstance(body, dict) else None
-        return TxnResult(False, tuple(str(e.get("What", e)) for e in errors or [] if isinstance(e, dict)))
+        errors = [
+            e for e in (body.get("Errors") if isinstance(body, dict) else None) or [] if isinstance(e, dict)
+        ]
+        failed = tuple(e["OpIndex"] for e in errors if isinstance(e.get("OpIndex"), int))
+        return TxnResult(False, tuple(str(e.get("What", e)) for e in errors), failed_ops=failed)
 
     async def fenced_put(self, key: str, value: bytes, *, cas: int, session: str, lock_key: str) -> TxnResult:
         """Write `key` only while `session` holds `lock_key` and nobody wrote `key` since `cas`.
@@ -206,7 +222,7 @@ class Consul:
             {"KV": {"Verb": "check-session", "Key": lock_key, "Session": session}},
             {"KV": {"Verb": "cas", "Key": key, "Value": base64.b64encode(value).decode(), "Index": cas}},
         ]
-        return await self.txn(ops)
+        return replace(await self.txn(ops), session_check_op=0)
 
     # Sessions
 

@@ -39,6 +39,7 @@ STATE_STYLES = {
     "short": "bold yellow",
     "unplaceable": "bold red",
     "parked": "bold red",
+    "refused": "bold red",
 }
 
 ctl_app = typer.Typer(
@@ -102,13 +103,16 @@ def _int(value: Any) -> int:
 
 
 def model_problem(model: dict[str, Any]) -> str | None:
-    """parked, unplaceable or short when a model is not serving what it should have now.
+    """parked, refused (Nomad refuses llmgw's calls for it), unplaceable or short when a model
+    is not serving what it should have now.
 
     Counted from the fields as well as the state word, so an older or newer watcher's state
     vocabulary cannot make a short model pass `--check`.
     """
     if model.get("parked") is True or model.get("state") == "parked":
         return "parked"
+    if model.get("last_action_error") or model.get("state") == "refused":
+        return "refused"
     if model.get("unplaceable") is True or model.get("state") == "unplaceable":
         return "unplaceable"
     if _int(model.get("ready")) < _int(model.get("desired")) or model.get("state") in ("short", "starting"):
@@ -121,6 +125,9 @@ def model_reason(model: dict[str, Any]) -> str:
         return str(model["reason"])
     if model.get("parked"):
         return str(model.get("last_error") or "")
+    refused = model.get("last_action_error")
+    if isinstance(refused, dict):
+        return f"Nomad refuses to {refused.get('action', 'act')}: {refused.get('message', '')}"
     if model.get("unplaceable"):
         return str(model.get("placement_reason") or "")
     return ""
@@ -130,7 +137,7 @@ def _state_text(model: dict[str, Any]) -> Text:
     state = str(model.get("state") or "")
     problem = model_problem(model)
     # A state word that contradicts the counts loses: a model short of replicas reads as short.
-    if problem and state not in ("parked", "unplaceable", "short", "starting"):
+    if problem and state not in ("parked", "refused", "unplaceable", "short", "starting"):
         state = problem
     state = state or "satisfied"
     return Text(state, style=STATE_STYLES.get(state, ""))
@@ -142,7 +149,7 @@ def _console() -> Console:
 
 
 def _problem_first(models: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    order = {"parked": 0, "unplaceable": 1, "short": 2, None: 3}
+    order = {"parked": 0, "refused": 1, "unplaceable": 2, "short": 3, None: 4}
     return sorted(models, key=lambda m: (order[model_problem(m)], str(m.get("model", ""))))
 
 
@@ -154,7 +161,7 @@ def status(
     check: bool = typer.Option(
         False,
         "--check",
-        help="Exit 1 when any model is parked, unplaceable or short of what it should have now.",
+        help="Exit 1 when any model is parked, refused by Nomad, unplaceable or short of what it should have now.",
     ),
 ) -> None:
     """Each model against what it should have now: desired, ready, state and why."""

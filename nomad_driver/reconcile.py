@@ -7,6 +7,7 @@ is asked for again on the next pass, so a lost event or a failed call heals itse
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -39,6 +40,12 @@ class ModelView:
     activity: float | None = None  # last request, Unix time, from the routers
     scaled_at: float | None = None  # when the watcher first saw the job's current count
     now: float = 0.0
+    # Requests in flight on its replicas, summed over routers, and how many distinct replicas
+    # they are on (`llmgw/inflight/`).
+    in_flight: int = 0
+    busy_replicas: int = 0
+    # How late the routers' activity can reach the watcher: their publishing interval.
+    activity_grace_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -80,6 +87,8 @@ class WriteState:
 
 
 Action = RegisterJob | Scale | Park | WriteState
+# The actions that call Nomad, whose refusals become the model's `last_action_error`.
+NomadAction = (RegisterJob, Scale, Park)
 
 
 @dataclass(frozen=True)
@@ -161,10 +170,16 @@ def _same(a: ModelState, b: ModelState) -> bool:
 
 
 def desired_replicas(view: ModelView, count: int) -> int:
-    """Its minimum, or more while it is asked for: a request within idle_timeout keeps an
-    on-demand model at 1 and keeps the count a router scaled to; after that, back to the minimum."""
+    """Its minimum, or more while it is asked for: a request in flight, or one that ended
+    within idle_timeout, keeps an on-demand model at 1 and keeps the count a router scaled to;
+    after that, back to the minimum. Never fewer than the replicas that have requests in flight,
+    so a long stream is not cut by its own replica being stopped."""
     m = view.model
-    asked = view.activity is not None and view.now - view.activity < m.idle_timeout_s
+    # The idle clock runs from the end of the last request, as the routers last published it;
+    # the grace covers a request that began after their last write.
+    asked = view.in_flight > 0 or (
+        view.activity is not None and view.now - view.activity < m.idle_timeout_s + view.activity_grace_s
+    )
     # A router scales up before its request finishes and writes activity; the count it chose
     # counts as asked-for from when the watcher first saw it, so it is not undone at once.
     just_scaled = view.scaled_at is not None and view.now - view.scaled_at < m.idle_timeout_s
@@ -173,6 +188,7 @@ def desired_replicas(view: ModelView, count: int) -> int:
         want = max(want, 1)
     if count > want and (asked or just_scaled):
         want = count
+    want = max(want, min(view.busy_replicas, count))
     return max(0, min(want, m.replicas_max))
 
 
@@ -276,6 +292,13 @@ def model_health(
             f"parked after {state.consecutive_failures} consecutive start failures: "
             f"{state.last_error or 'no error recorded'}; fix the source or profile, "
             f"or run 'llmgw ctl retry {model}'"
+        )
+    refused = state.last_action_error
+    if refused is not None:
+        return "critical", (
+            f"Nomad refuses to {refused.action} it (HTTP {refused.status}) since "
+            f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(refused.since))}: {refused.message}; "
+            "fix the job or llmgw's Nomad token; cleared when Nomad next accepts"
         )
     if state.unplaceable:
         return "critical", f"unplaceable: {state.placement_reason}"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -19,6 +20,7 @@ from nomad_driver.safeload import LoadError, json_loads
 KV_PREFIX = "llmgw/"
 STATE_PREFIX = "llmgw/state/"
 ACTIVITY_PREFIX = "llmgw/activity/"
+INFLIGHT_PREFIX = "llmgw/inflight/"
 CONFIG_MODELS_KEY = "llmgw/config/models"
 LEADER_KEY = "llmgw/leader"
 
@@ -29,6 +31,30 @@ def state_key(model: str) -> str:
 
 def activity_key(model: str) -> str:
     return f"{ACTIVITY_PREFIX}{model}"
+
+
+def inflight_key(router: str) -> str:
+    return f"{INFLIGHT_PREFIX}{router}"
+
+
+class ActionError(BaseModel):
+    """Nomad refused what the leader asked for a model, in a way that asking again will not
+    change (a 4xx: ACL denied, a scaling bound, a bad namespace): kept until the action next
+    succeeds, so the refusal shows where operators look instead of only in the log."""
+
+    model_config = ConfigDict(extra="allow")
+
+    action: str = ""  # register | scale | park
+    status: int = 0  # Nomad's HTTP status
+    message: str = ""  # Nomad's answer
+    since: float = 0.0  # Unix time of the first refusal in this run of refusals
+
+    def same_refusal(self, other: ActionError | None) -> bool:
+        return other is not None and (self.action, self.status, self.message) == (
+            other.action,
+            other.status,
+            other.message,
+        )
 
 
 class ModelState(BaseModel):
@@ -46,6 +72,7 @@ class ModelState(BaseModel):
     unplaceable: bool = False
     placement_reason: str = ""
     placement_eval: str = ""
+    last_action_error: ActionError | None = None
     updated_at: float = 0.0
 
     def to_kv(self) -> bytes:
@@ -96,3 +123,59 @@ def parse_activity(raw: bytes | str | None, now: float | None = None) -> float |
     if not math.isfinite(value) or not 0 <= value <= limit:
         return None
     return value
+
+
+# Bounds on what a router may claim, so one poisoned key cannot keep a model up forever.
+MAX_INFLIGHT_VALUE = 1 << 20
+MAX_ACTIVITY_INTERVAL_S = 300.0
+MAX_REQUESTS = 1_000_000
+
+
+@dataclass(frozen=True)
+class RouterInFlight:
+    """One router's `llmgw/inflight/<router>`: its requests in flight per model, and the
+    replicas they are on, as of `at` (Unix time); refreshed every `interval_s` while any is
+    open."""
+
+    at: float
+    interval_s: float
+    requests: dict[str, int] = field(default_factory=dict)
+    replicas: dict[str, frozenset[str]] = field(default_factory=dict)
+
+    def live(self, now: float) -> bool:
+        """Refreshed recently: a router that stopped refreshing (a crash) holds nothing. A
+        time far in the future is a bad clock or a bad value, not a request."""
+        return now - 3 * self.interval_s <= self.at <= now + 60.0
+
+
+def parse_inflight(raw: bytes | str | None) -> RouterInFlight | None:
+    """None for anything that is not what a router writes (garbage, out of bounds)."""
+    if not raw or len(raw) > MAX_INFLIGHT_VALUE:
+        return None
+    try:
+        data: Any = json_loads(raw, "llmgw/inflight")
+    except LoadError:
+        return None
+    if not isinstance(data, dict) or not isinstance(data.get("models"), dict):
+        return None
+    at, interval = data.get("at"), data.get("interval_s")
+    if not isinstance(at, int | float) or not isinstance(interval, int | float):
+        return None
+    if not (math.isfinite(at) and math.isfinite(interval)):
+        return None
+    if not 0 < interval <= MAX_ACTIVITY_INTERVAL_S:
+        return None
+    requests: dict[str, int] = {}
+    replicas: dict[str, frozenset[str]] = {}
+    for model, use in data["models"].items():
+        if not isinstance(use, dict):
+            continue
+        n = use.get("requests")
+        if not isinstance(n, int) or isinstance(n, bool) or not 0 < n <= MAX_REQUESTS:
+            continue
+        requests[str(model)] = n
+        names = use.get("replicas")
+        replicas[str(model)] = (
+            frozenset(str(r) for r in names if isinstance(r, str)) if isinstance(names, list) else frozenset()
+        )
+    return RouterInFlight(float(at), float(interval), requests, replicas)

@@ -23,7 +23,7 @@ from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt,
 from nomad_driver import parking
 from nomad_driver.consul import Consul, ConsulError, ConsulUnavailable, KVEntry
 from nomad_driver.health import Entry, HealthEntries
-from nomad_driver.leader import LeaderInfo, Leadership
+from nomad_driver.leader import LeaderInfo, Leadership, LeaseLost
 from nomad_driver.nomad import Nomad, NomadError, NomadUnavailable
 from nomad_driver.placement import PlacementWarnings
 from nomad_driver.reconcile import (
@@ -31,6 +31,7 @@ from nomad_driver.reconcile import (
     Action,
     Decision,
     ModelView,
+    NomadAction,
     Park,
     RegisterJob,
     Scale,
@@ -45,10 +46,13 @@ from nomad_driver.spec import Model, SpecError, parse_models
 from nomad_driver.state import (
     ACTIVITY_PREFIX,
     CONFIG_MODELS_KEY,
+    INFLIGHT_PREFIX,
     LEADER_KEY,
+    ActionError,
     MalformedState,
     ModelState,
     parse_activity,
+    parse_inflight,
     parse_state,
     state_key,
 )
@@ -64,6 +68,15 @@ from nomad_driver.watch import (
 )
 
 log = logging.getLogger("llmgw.watcher")
+
+# Nomad answers that say "not now" rather than "never": a job that vanished (the next pass
+# registers it again), a timeout, a conflict, a rate limit. Every other 4xx is a refusal that
+# asking again will not change, and becomes the model's `last_action_error`.
+_TRANSIENT_NOMAD_STATUS = frozenset({404, 408, 409, 429})
+
+# A router's in-flight key that has not been refreshed for this long belongs to a router that is
+# gone; the leader deletes it.
+INFLIGHT_FORGET_AFTER_S = 3600.0
 
 _ALLOC_ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 
@@ -92,6 +105,9 @@ class WatcherConfig:
     # How long parking waits for the failed engine's stderr before falling back to Nomad's
     # task event; a pass waits this long at most, and only when a model is being parked.
     stderr_wait_s: float = 3.0
+    # The routers' activity interval (their `activity_interval_s`), the least grace the idle
+    # clock gets when no router publishes a longer one.
+    activity_interval_s: float = 5.0
 
 
 def _passing(entry: Mapping[str, Any]) -> bool:
@@ -159,6 +175,9 @@ class Watcher:
         )
         self.health = HealthEntries(consul)
         self.warnings = PlacementWarnings(clock)
+        # Refusals are logged like placement warnings: on change or every ten minutes.
+        self.refusal_warnings = PlacementWarnings(clock)
+        self._routers_checked_at = 0.0
         self._wake = asyncio.Event()
         w = self.config.wait_s
         self.kv: Watch[dict[str, KVEntry]] = Watch("consul-kv", kv_fetch(consul, w), on_change=self.wake)
@@ -344,6 +363,7 @@ class Watcher:
         self._healthy_starts = {s for s in self._healthy_starts if s[0] in allocs_by_id}
         healthy = frozenset(self._healthy_starts)
 
+        in_flight, busy, grace = self._in_flight(kv, now)
         views: dict[str, ModelView] = {}
         for name, model in self.models.items():
             job = jobs.get(model.job_id)
@@ -368,8 +388,52 @@ class Watcher:
                 activity=parse_activity(activity_entry.value, now) if activity_entry else None,
                 scaled_at=seen[1],
                 now=now,
+                in_flight=in_flight.get(name, 0),
+                busy_replicas=len(busy.get(name, ())),
+                activity_grace_s=grace,
             )
         return views
+
+    async def _forget_gone_routers(self) -> None:
+        """Delete in-flight keys of routers gone for an hour (each router restart makes a new
+        key); check-and-set, so a router that came back and wrote meanwhile keeps its key."""
+        now = self.clock()
+        if now - self._routers_checked_at < INFLIGHT_FORGET_AFTER_S / 60:
+            return
+        self._routers_checked_at = now
+        kv = self.kv.snapshot.data if self.kv.snapshot else {}
+        for key, entry in kv.items():
+            if not key.startswith(INFLIGHT_PREFIX):
+                continue
+            router = parse_inflight(entry.value)
+            if router is not None and router.at > now - INFLIGHT_FORGET_AFTER_S:
+                continue
+            try:
+                await self.consul.kv_delete(key, cas=entry.modify_index)
+            except ConsulError as exc:
+                log.warning("event=inflight_cleanup_failed key=%s error=%r", key, str(exc))
+                return
+
+    def _in_flight(
+        self, kv: Mapping[str, KVEntry], now: float
+    ) -> tuple[dict[str, int], dict[str, set[str]], float]:
+        """Requests in flight per model summed over the routers that still refresh their key,
+        the replicas those requests are on, and the grace for the idle clock: the longest
+        publishing interval of any router (the routers' default when none publishes)."""
+        requests: dict[str, int] = {}
+        replicas: dict[str, set[str]] = {}
+        grace = self.config.activity_interval_s
+        for key, entry in kv.items():
+            if not key.startswith(INFLIGHT_PREFIX):
+                continue
+            router = parse_inflight(entry.value)
+            if router is None or not router.live(now):
+                continue
+            grace = max(grace, router.interval_s)
+            for model, n in router.requests.items():
+                requests[model] = requests.get(model, 0) + n
+                replicas.setdefault(model, set()).update(router.replicas.get(model, ()))
+        return requests, replicas, grace
 
     def ready_to_act(self) -> bool:
         """Act only on a complete picture: a watcher that has not yet read Nomad's allocations
@@ -411,17 +475,26 @@ class Watcher:
         if self._definitions_missing and self._models_text:
             await self._restore_definitions()
         async with self._apply_lock:
-            for d in decisions.values():
+            for name, d in decisions.items():
                 self._log_placement(d)
-                for action in d.actions:
-                    if not self.leadership.is_leader:
-                        return
-                    await self._apply(self.models[d.model], action)
+                if not self.leadership.is_leader:
+                    return
+                try:
+                    decisions[name] = await self._apply_decision(d, views[name])
+                except LeaseLost as exc:
+                    log.warning("event=actions_stopped model=%s reason=%r", d.model, str(exc))
+                    return
+            await self._forget_gone_routers()
             try:
-                await self.health.sync({n: Entry(d.health, d.health_output) for n, d in decisions.items()})
-            except ConsulError as exc:
+                # Within the lease: a Consul that hangs must not hold the pass, and with it the
+                # next leader-only step, past the moment this watcher may still act.
+                async with asyncio.timeout(max(0.1, self.leadership.lease_left())):
+                    await self.health.sync(
+                        {n: Entry(d.health, d.health_output) for n, d in decisions.items()}
+                    )
+            except (ConsulError, TimeoutError) as exc:
                 self.health.forget()
-                log.warning("event=health_sync_failed error=%r", str(exc))
+                log.warning("event=health_sync_failed error=%r", str(exc) or type(exc).__name__)
 
     async def _telling(self, d: Decision, view: ModelView) -> Decision:
         """The decision with the most telling last error it can have.
@@ -562,7 +635,51 @@ class Watcher:
         else:
             self.warnings.clear(d.model)
 
-    async def _apply(self, model: Model, action: Action) -> None:
+    async def _apply_decision(self, d: Decision, view: ModelView) -> Decision:
+        """Apply one model's actions, then record how Nomad took them: a refusal that will not
+        heal becomes the model's `last_action_error` (stored, shown, counted, alerted on), and
+        the next success, or nothing left to ask of Nomad, clears it. Returns the decision as
+        it now stands, so the Consul UI check shows the refusal in the same pass."""
+        model = self.models[d.model]
+        condition = d.state.last_action_error
+        asked_nomad = False
+        parked = False
+        write: WriteState | None = None
+        for action in d.actions:
+            if isinstance(action, WriteState):
+                write = action  # written last, with the outcome of the Nomad calls
+                continue
+            if not self.leadership.is_leader:
+                raise LeaseLost("leadership lost during the pass")
+            if isinstance(action, Park):
+                action = replace(action, state=action.state.model_copy(update={"last_action_error": None}))
+            outcome = await self._apply(model, action)
+            if isinstance(action, NomadAction):
+                asked_nomad = True
+                if isinstance(outcome, ActionError):
+                    condition = condition if outcome.same_refusal(condition) else outcome
+                elif outcome:
+                    condition = None
+                    parked = isinstance(action, Park)
+        if not asked_nomad:
+            condition = None  # nothing asked of Nomad, nothing refused
+        if condition is None:
+            self.refusal_warnings.clear(d.model)
+        if parked:
+            return d  # Park wrote the state itself, with no refusal
+        state = write.state if write is not None else d.state
+        if condition != state.last_action_error:
+            state = state.model_copy(update={"last_action_error": condition})
+        elif write is None:
+            return d
+        if not await self._write_state(d.model, state, view.state_index):
+            return d
+        health, output = model_health(d.model, state, d.desired, d.ready, d.starting)
+        return replace(d, state=state, health=health, health_output=output)
+
+    async def _apply(self, model: Model, action: Action) -> ActionError | bool:
+        """True when it was done; an ActionError when Nomad refused for good; False when the
+        call failed in a way that says nothing about the model (the next pass retries)."""
         try:
             async for attempt in AsyncRetrying(
                 stop=stop_after_attempt(3),
@@ -572,19 +689,40 @@ class Watcher:
             ):
                 with attempt:
                     await self._apply_once(model, action)
-        except (NomadError, ConsulError) as exc:
+        except NomadError as exc:
+            kind = {RegisterJob: "register", Scale: "scale", Park: "park"}.get(type(action), "")
+            if isinstance(exc, NomadUnavailable) or exc.status in _TRANSIENT_NOMAD_STATUS or not kind:
+                log.warning("event=action_failed model=%s action=%s error=%r", model.name, kind, str(exc))
+                return False
+            # Nomad's own words, without our "nomad POST /v1/...: HTTP 400:" in front.
+            said = str(exc).split(f"HTTP {exc.status}: ", 1)[-1]
+            refusal = ActionError(action=kind, status=exc.status, message=said, since=self.clock())
+            if self.refusal_warnings.should_log(model.name, f"{kind} {exc.status} {exc}"):
+                log.warning(
+                    "event=action_refused model=%s action=%s status=%d error=%r",
+                    model.name,
+                    kind,
+                    exc.status,
+                    str(exc),
+                )
+            return refusal
+        except ConsulError as exc:
             # Our own call failed: nothing is concluded about the model; the next pass retries.
             log.warning(
                 "event=action_failed model=%s action=%s error=%r", model.name, type(action).__name__, str(exc)
             )
+            return False
+        return True
 
     async def _apply_once(self, model: Model, action: Action) -> None:
         if isinstance(action, RegisterJob):
             job = render_job(model)
             job["TaskGroups"][0]["Count"] = action.count
+            self.leadership.check_lease(f"registering {model.job_id}")
             await asyncio.to_thread(self.nomad.register_job, job)
             log.info("event=job_registered model=%s job=%s count=%d", model.name, model.job_id, action.count)
         elif isinstance(action, Scale):
+            self.leadership.check_lease(f"scaling {action.job_id}")
             await asyncio.to_thread(
                 self.nomad.scale, action.job_id, action.group, action.count, action.message
             )
@@ -603,6 +741,7 @@ class Watcher:
             f"fix the source or profile, or run 'llmgw ctl retry {model.name}'"
         )
         # Stop it first: a replica placed while we write state would be a sixth start.
+        self.leadership.check_lease(f"parking {action.job_id}")
         await asyncio.to_thread(self.nomad.scale, action.job_id, action.group, 0, message)
         state = action.state.model_copy(update={"last_error": error})
         await self._write_state(model.name, state, action.cas)
@@ -627,9 +766,10 @@ class Watcher:
             return True
         if result.failed_session_check():
             log.warning("event=fenced_write_refused model=%s reason=%r", model, result.errors)
-            # Stop acting now (and count the loss); the election loop catches up.
+            # Stop acting now (and count the loss); the election loop catches up with a new
+            # session. The old one is destroyed, not left to hold anything until its TTL.
             self.leadership._set_leader(False, "a fenced write was refused: the lock is lost")
-            self.leadership.session = ""
+            self.leadership.abandon_session()
         else:
             log.info("event=state_conflict model=%s key=%s", model, key)
         return False

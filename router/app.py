@@ -23,7 +23,7 @@ from nomad_driver.certs import register_cert_collector
 from router import errors
 from router import status as views
 from router.activation import Activator, NomadClient
-from router.activity import ActivityRecorder
+from router.activity import WAITING, ActivityRecorder
 from router.config import RouterConfig
 from router.discovery import Discovery, Replica, Snapshot
 from router.errors import RouterError
@@ -202,7 +202,13 @@ class RouterApp:
                 if model not in snapshot.known_models():
                     raise errors.model_not_found(model, snapshot.known_models())
                 label = model
-                await self._without_replica(model, snapshot, arrived)
+                # Waiting for a replica is in flight too: the watcher must not stop the one
+                # being started for it.
+                self.activity.begin(model, WAITING)
+                try:
+                    await self._without_replica(model, snapshot, arrived)
+                finally:
+                    self.activity.end(model, WAITING)
             label = model
             self.activity.touch(model)
             status = await self._forward(receive, send, path, model, body, request, session_header, arrived)
@@ -274,6 +280,7 @@ class RouterApp:
                 break
             replica = snapshot.by_id[replica_id]
             balancer.acquire(replica_id)
+            self.activity.begin(model, replica_id)
             try:
                 try:
                     resp = await self.upstream.open(self._url(replica, path), body)
@@ -295,6 +302,7 @@ class RouterApp:
                     resp.release()
             finally:
                 balancer.release(replica_id)
+                self.activity.end(model, replica_id)
         raise RouterError(
             502,
             "upstream_unavailable",

@@ -111,7 +111,7 @@ resource "consul_acl_policy" "watcher" {
 
 resource "consul_acl_policy" "router" {
   name        = "llmgw-router"
-  description = "llmgw router: reads model definitions, model state and engine health; writes only activity timestamps."
+  description = "llmgw router: reads model definitions, model state and engine health; writes only activity timestamps and its requests in flight."
 
   # Not all of llmgw/: the router has no business reading the leader lock. `list`, not `read`:
   # the router reads state recursively, which Consul refuses to `read` alone where
@@ -126,6 +126,10 @@ resource "consul_acl_policy" "router" {
     }
 
     key_prefix "llmgw/activity/" {
+      policy = "write"
+    }
+
+    key_prefix "llmgw/inflight/" {
       policy = "write"
     }
 

@@ -11,7 +11,9 @@ import pytest
 from nomad_driver.consul import Consul, ConsulUnavailable
 from nomad_driver.health import NODE, Entry, HealthEntries
 from nomad_driver.leader import Leadership
+from nomad_driver.nomad import Nomad
 from nomad_driver.state import LEADER_KEY, ModelState, parse_state, state_key
+from nomad_driver.watcher import Watcher, WatcherConfig
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -157,3 +159,109 @@ async def test_health_entries_show_status_and_output_and_survive_a_new_leader(cl
     assert [e["Service"]["ID"] for e in entries] == ["llmgw-model-m1"]
     assert all(e["Node"]["Node"] == NODE for e in entries)
     assert [c["Status"] for c in entries[0]["Checks"]] == ["passing"]
+
+
+async def _leading_watcher(consul_url: str, ident: str) -> tuple[Watcher, Consul]:
+    """A watcher that leads through a lock taken by hand (no election loop racing the test):
+    what a running leader looks like between two passes."""
+    consul = Consul(consul_url)
+    watcher = Watcher(consul, Nomad("http://127.0.0.1:9"), WatcherConfig(), ident=ident)
+    lead = watcher.leadership
+    lead.session = await consul.session_create(f"llmgw-watcher {ident}", ttl_s=10, lock_delay_s=0)
+    lead._lease_from(time.monotonic())
+    # An earlier test's lock delay may still hold the key for a moment.
+    await until(
+        lambda: consul.kv_put(LEADER_KEY, b'{"id": "%s"}' % ident.encode(), acquire=lead.session), 20, "lock"
+    )
+    lead._set_leader(True, "acquired")
+    return watcher, consul
+
+
+async def _sessions(consul: Consul) -> set[str]:
+    resp = await consul._call("GET", "/v1/session/list")
+    return {s["ID"] for s in resp.json()}
+
+
+async def test_a_cas_conflict_on_a_model_named_session_leaves_the_leader_leading(consul_url: str) -> None:
+    """Consul's CAS error names the key, and the key names the model: a model called
+    `session-chat` must not read as a lost lock."""
+    watcher, consul = await _leading_watcher(consul_url, "cas")
+    try:
+        session = watcher.leadership.session
+        key = state_key("session-chat")
+        await consul.kv_put(key, ModelState().to_kv())
+        _, entries = await consul.kv_get(key)
+        stale = entries[0].modify_index - 1
+
+        result = await consul.fenced_put(
+            key, ModelState(consecutive_failures=1).to_kv(), cas=stale, session=session, lock_key=LEADER_KEY
+        )
+        assert not result.ok and "session" in " ".join(result.errors)
+        assert not result.failed_session_check()
+
+        assert not await watcher._write_state("session-chat", ModelState(consecutive_failures=1), stale)
+        assert watcher.leadership.is_leader
+        assert watcher.leadership.session == session
+        assert watcher.leader_changes == 1  # the acquisition only
+        assert session in await _sessions(consul)
+    finally:
+        await watcher.leadership.resign()
+        await consul.close()
+
+
+async def test_a_lost_lock_is_told_by_the_session_check_and_the_old_session_is_destroyed(
+    consul_url: str,
+) -> None:
+    watcher, consul = await _leading_watcher(consul_url, "deposed")
+    other = await consul.session_create("other", ttl_s=10, lock_delay_s=0)
+    try:
+        old = watcher.leadership.session
+        # Another watcher holds the lock now (an operator released it, say).
+        assert await consul.kv_put(LEADER_KEY, b"", release=old)
+        await until(lambda: consul.kv_put(LEADER_KEY, b'{"id": "other"}', acquire=other), 5, "lock for other")
+
+        assert not await watcher._write_state("m1", ModelState(parked=True), 0)
+        assert not watcher.leadership.is_leader
+        assert watcher.leadership.session == ""
+        await until(lambda: _gone(consul, old), 5, "the abandoned session destroyed")
+        _, entries = await consul.kv_get(state_key("m1"))
+        assert entries == []
+    finally:
+        await consul.session_destroy(other)
+        await consul.close()
+
+
+async def _gone(consul: Consul, session: str) -> bool:
+    return session not in await _sessions(consul)
+
+
+@pytest.mark.parametrize("garbage", [b"[" * 100_000, b"\xff\xfenot json", b"{" * 3000 + b"}"])
+async def test_a_malformed_leader_value_is_no_leader_and_the_lock_can_still_be_taken(
+    consul_url: str, garbage: bytes
+) -> None:
+    consul = Consul(consul_url)
+    await consul.kv_put(LEADER_KEY, garbage)
+    lead = Leadership(consul, address="127.0.0.1:1", ident="heals", ttl_s=10, lock_delay_s=0.1)
+    task = asyncio.create_task(lead.run())
+    try:
+        await until(lambda: lead.is_leader, 20, "the lock taken over the malformed value")
+        _, entries = await consul.kv_get(LEADER_KEY)
+        assert entries[0].session == lead.session
+        # And garbage written over a held lock (a plain PUT keeps the lock's session) is shown
+        # as no leader known to others, while the holder keeps leading.
+        await consul.kv_put(LEADER_KEY, garbage)
+        follower = Leadership(consul, address="127.0.0.1:2", ident="f", ttl_s=10, lock_delay_s=0.1)
+        ftask = asyncio.create_task(follower.run())
+        try:
+            await asyncio.sleep(2.0)
+            assert lead.is_leader and not follower.is_leader
+            assert follower.leader is None
+        finally:
+            ftask.cancel()
+            await asyncio.gather(ftask, return_exceptions=True)
+            await follower.resign()
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await lead.resign()
+        await consul.close()
