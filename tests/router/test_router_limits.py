@@ -164,3 +164,39 @@ def _answers(url: str) -> bool:
         return httpx.get(url, timeout=1).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def test_an_event_larger_than_the_buffer_is_passed_on_as_it_comes(
+    consul_url: str, stub_engine: StartStub, start_router: StartRouter
+) -> None:
+    big = stub_engine("big", chunks=1, big_event=3 * 1024 * 1024)
+    register_replica(consul_url, "alpha", big.port, "alpha-big")
+    router = start_router(consul_url)
+    router.wait_ready("alpha", 1)
+    received = 0
+    started = time.monotonic()
+    with httpx.stream(
+        "POST", f"{router.url}/v1/chat/completions", json=chat(stream=True), timeout=20
+    ) as resp:
+        for piece in resp.iter_bytes():
+            received += len(piece)
+            if received > 2 * 1024 * 1024:
+                break
+    # Held whole, it would arrive only after the stub's 3 s pause.
+    assert time.monotonic() - started < 2.5
+    assert received > 2 * 1024 * 1024
+
+
+def test_a_client_that_hangs_up_before_the_answer_cancels_the_replicas_request(
+    consul_url: str, stub_engine: StartStub, start_router: StartRouter
+) -> None:
+    slow = stub_engine("slow", delay=30)
+    register_replica(consul_url, "alpha", slow.port, "alpha-slow")
+    router = start_router(consul_url)
+    router.wait_ready("alpha", 1)
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{router.url}/v1/chat/completions", json=chat(), timeout=0.5)
+    router.expect_metric("llmgw_router_early_ends_total", 1, model="alpha", kind="upstream")
+    router.expect_metric("llmgw_router_requests_total", 1, model="alpha", code="499")
+    # The replica's connection is closed, not left open for 30 s.
+    assert router.app.balancer.outstanding == {}
