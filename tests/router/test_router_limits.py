@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import os
 import signal
 import ssl
@@ -200,3 +201,30 @@ def test_a_client_that_hangs_up_before_the_answer_cancels_the_replicas_request(
     router.expect_metric("llmgw_router_requests_total", 1, model="alpha", code="499")
     # The replica's connection is closed, not left open for 30 s.
     assert router.app.balancer.outstanding == {}
+
+
+def test_a_client_that_stops_reading_is_dropped_at_the_send_deadline(
+    consul_url: str, stub_engine: StartStub, start_router: StartRouter
+) -> None:
+    # A stream far larger than any socket buffer, sent as fast as the stub can.
+    endless = stub_engine("endless", chunks=1_000_000)
+    register_replica(consul_url, "alpha", endless.port, "alpha-endless")
+    router = start_router(consul_url, timeouts=Timeouts(client_send_s=1.0))
+    router.wait_ready("alpha", 1)
+    sock = socket.create_connection(("127.0.0.1", int(router.url.rsplit(":", 1)[1])))
+    try:
+        body = json.dumps(chat(stream=True)).encode()
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        started = time.monotonic()
+        router.expect_metric(
+            "llmgw_router_early_ends_total", 1, timeout=20, model="alpha", kind="stopped_reading"
+        )
+        assert time.monotonic() - started < 10
+        # Its replica's request went with it.
+        assert router.app.balancer.outstanding == {}
+    finally:
+        sock.close()
