@@ -119,8 +119,9 @@ class StubEngine:
                     "more_body": True,
                 }
             )
-            if self.chunk_delay:
-                await asyncio.sleep(self.chunk_delay)
+            # Even without a delay, let other streams have their turn: a send that does not
+            # block never yields, and one endless stream would starve the rest.
+            await asyncio.sleep(self.chunk_delay)
         await send({"type": "http.response.body", "body": b"data: [DONE]\r\n\r\n", "more_body": False})
 
 

@@ -16,11 +16,10 @@ from typing import Any
 import httpx
 import pytest
 
-from router.config import Timeouts
 from tests.fixtures.engines import MakeGguf, StartLlamaServer
 from tests.router.conftest import RunningRouter, StartRouter, register_replica, wait_until
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 MODEL = "tiny"
 # As the rendered jobs run it (render.py): the default interrupts streams under concurrency.
@@ -42,14 +41,11 @@ def chat_body(max_tokens: int = LONG, stream: bool = True, prompt: str = "tell m
     ).encode()
 
 
-def raw_request(url: str, body: bytes, rcvbuf: int | None = None) -> socket.socket:
+def raw_request(url: str, body: bytes) -> socket.socket:
     """A POST written by hand on a plain socket, so the test decides when (and whether) it is
     read, and can close it at any moment."""
     host, port = url.removeprefix("http://").split(":")
-    sock = socket.socket()
-    if rcvbuf is not None:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
-    sock.connect((host, int(port)))
+    sock = socket.create_connection((host, int(port)))
     head = (
         f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
         f"Content-Length: {len(body)}\r\n\r\n"
@@ -144,36 +140,15 @@ def test_five_streams_closed_right_after_sending_leave_the_engine_answering(
     e.settles(15, "five streams closed before their first byte")
 
 
-def test_a_client_that_stops_reading_is_dropped_at_the_send_deadline(engine: Callable[..., Engine]) -> None:
-    e = engine(timeouts=Timeouts(client_send_s=2.0))
-    # A small receive buffer, as a slow client on a real network has: the router's writes
-    # block once it is full.
-    sock = raw_request(e.router.url, chat_body(), rcvbuf=4096)
-    try:
-        # Dropped once the socket buffers between it and the engine are full (some hundred KiB,
-        # a few hundred tokens), not after the 1900 it asked for.
-        wait_until(lambda: e.early_ends("stopped_reading") == 1, 150, "the stalled client dropped")
-        e.settles(15, "a client that stopped reading")
-    finally:
-        sock.close()
-
-
-def test_twenty_streams_that_never_read_leave_the_engine_answering(engine: Callable[..., Engine]) -> None:
-    e = engine(timeouts=Timeouts(client_send_s=2.0))
-    socks = [raw_request(e.router.url, chat_body(), rcvbuf=4096) for _ in range(20)]
-    try:
-        wait_until(lambda: e.router.requests_counted(MODEL) == 20, 500, "all twenty ended")
-        assert e.early_ends("stopped_reading") == 20
-        e.settles(15, "twenty streams that never read")
-    finally:
-        for sock in socks:
-            sock.close()
-
-
 def test_a_non_streamed_request_closed_before_its_answer_is_cancelled(engine: Callable[..., Engine]) -> None:
+    """The router's side only: it closes the replica's connection at once. llama-cpp-python
+    itself finishes a non-streamed completion whoever listens (it runs in a worker thread that
+    never looks at the connection; measured in docs/router.md), so the engine's view cannot
+    show the cancel here."""
     e = engine()
     sock = raw_request(e.router.url, chat_body(stream=False))
     time.sleep(0.5)
     sock.close()
     wait_until(lambda: e.early_ends("upstream") + e.early_ends("body") == 1, 10, "the early end counted")
-    e.settles(30, "a non-streamed request closed before its answer")
+    assert e.router.app.balancer.outstanding == {}
+    e.router.expect_metric("llmgw_router_requests_total", 1, model=MODEL, code="499")
