@@ -11,8 +11,10 @@ LiteLLM's proxy (installed once into its own virtualenv under ~/.cache/llmgw/ben
 the same load from this process: one keep-alive client for latency, `--clients` concurrent
 clients for throughput, and streamed requests for time to first byte; the router also gets
 requests for a parked and an unplaceable model (the latter also from a second router that asks
-the Nomad stand-in afresh each time), and a second replica whose Consul check is failed under
-load, to time how long new requests still reach it. Everything shares the
+the Nomad stand-in afresh each time), a second replica whose Consul check is failed under
+load, to time how long new requests still reach it, and 100 clients waiting for a model that
+never becomes ready: more requests are refused as overloaded (timed), then the model is parked
+in Consul and each waiting client's answer is timed from that write. Everything shares the
 machine's cores, so only the ratios within one run mean anything. Exits 1 if a target is missed.
 """
 
