@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 from devstack import lifetime
 from devstack.ports import free_port
 from nomad_driver.cli import app as cli_app
-from router.config import ConfigError, Timeouts, load_api_keys, normalise_addr, parse_listen
+from router.config import ConfigError, Timeouts, from_env, load_api_keys, normalise_addr, parse_listen
 from tests.router.conftest import StartRouter, StartStub, register_replica, wait_until, write_self_signed
 
 
@@ -239,3 +239,11 @@ def test_clients_that_stop_reading_are_dropped_at_the_send_deadline(
     finally:
         for sock in socks:
             sock.close()
+
+
+def test_the_wait_bound_comes_from_the_environment_and_bad_values_are_refused() -> None:
+    assert from_env({}).max_waiting == 128
+    assert from_env({"LLMGW_ROUTER_MAX_WAITING": "7"}).max_waiting == 7
+    for bad in ("0", "-3", "many"):
+        with pytest.raises(ConfigError, match="LLMGW_ROUTER_MAX_WAITING="):
+            from_env({"LLMGW_ROUTER_MAX_WAITING": bad})
