@@ -25,7 +25,7 @@ from nomad_driver.nomad import Nomad
 from nomad_driver.render import render_job
 from nomad_driver.spec import parse_models
 from nomad_driver.watcher import Watcher, WatcherConfig
-from tests.router.conftest import RunningRouter, StartRouter, get_kv, put_kv, wait_until
+from tests.router.conftest import RunningRouter, StartRouter, get_kv, put_kv, put_state, wait_until
 
 ENGINE_VERSION = "0.3.36"
 
@@ -458,3 +458,46 @@ def test_an_unreachable_nomad_is_a_retryable_503_naming_it(
     assert "cannot reach Nomad at http://127.0.0.1:9" in error["message"]
     assert resp.headers["retry-after"] == "5"
     router.expect_metric("llmgw_router_activations_total", 1, model="tiny", result="error")
+
+
+@pytest.mark.slow
+def test_a_waiting_request_hears_a_later_unplaceable_evaluation_and_a_removed_definition(
+    make_fleet: MakeFleet, consul_url: str
+) -> None:
+    fleet = make_fleet(kev_window="600s")
+    router = fleet.router
+    # A stale "unplaceable" from before the request does not end its wait; a newer one does.
+    put_state(consul_url, "kev-0.5b", unplaceable=True, placement_reason="old news", placement_eval="e-old")
+    wait_until(lambda: "kev-0.5b" in router.app.discovery.snapshot.states, 10, "the stale state")
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(fleet.chat, "kev-0.5b", 60)
+        wait_until(lambda: router.app.activator.waiting("kev-0.5b") == 1, 20, "a waiting request")
+        time.sleep(1)
+        assert not waiting.done()
+        put_state(
+            consul_url,
+            "kev-0.5b",
+            unplaceable=True,
+            placement_reason="no node has 1 x nvidia/gpu free (replacement allocation)",
+            placement_eval="e-new",
+            updated_at=time.time(),
+        )
+        resp = waiting.result(timeout=10)
+    assert resp.status_code == 503
+    error = resp.json()["error"]
+    assert error["code"] == "model_unplaceable"
+    assert "replacement allocation" in error["message"]
+
+    # The definition goes away while another request waits: it hears so at once.
+    put_state(consul_url, "kev-0.5b")
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(fleet.chat, "kev-0.5b", 60)
+        wait_until(lambda: router.app.activator.waiting("kev-0.5b") == 1, 20, "a waiting request")
+        text = get_kv(consul_url, "llmgw/config/models") or ""
+        models = yaml.safe_load(text)
+        del models["models"]["kev-0.5b"]
+        put_kv(consul_url, "llmgw/config/models", yaml.safe_dump(models))
+        resp = waiting.result(timeout=10)
+    assert resp.status_code == 404
+    assert resp.json()["error"]["code"] == "model_not_found"
+    assert "removed" in resp.json()["error"]["message"]
