@@ -11,8 +11,10 @@ LiteLLM's proxy (installed once into its own virtualenv under ~/.cache/llmgw/ben
 the same load from this process: one keep-alive client for latency, `--clients` concurrent
 clients for throughput, and streamed requests for time to first byte; the router also gets
 requests for a parked and an unplaceable model (the latter also from a second router that asks
-the Nomad stand-in afresh each time), and a second replica whose Consul check is failed under
-load, to time how long new requests still reach it. Everything shares the
+the Nomad stand-in afresh each time), a second replica whose Consul check is failed under
+load, to time how long new requests still reach it, and 100 clients waiting for a model that
+never becomes ready: more requests are refused as overloaded (timed), then the model is parked
+in Consul and each waiting client's answer is timed from that write. Everything shares the
 machine's cores, so only the ratios within one run mean anything. Exits 1 if a target is missed.
 """
 
@@ -93,8 +95,13 @@ models:
   parked: {source: "file:///parked.gguf", profile: p}
   unplaceable: {source: "file:///unplaceable.gguf", profile: p}
   huge: {source: "file:///huge.gguf", profile: huge, replicas: {min: 0, max: 1}}
+  cold: {source: "file:///cold.gguf", profile: p, replicas: {min: 0, max: 1}, activation_timeout: 10m}
 """
 HUGE_REQUEST = json.dumps({**json.loads(REQUEST), "model": "huge"}).encode()
+# Placed on the stand-in, but its engine never becomes ready (the nodes have no engine
+# installed): requests for it wait, as for a cold start, until the bench parks it.
+COLD_REQUEST = json.dumps({**json.loads(REQUEST), "model": "cold"}).encode()
+WAITING_CLIENTS = 100
 # Its H100 node has one unhealthy GPU of eight, so `huge` fits nowhere and Nomad says why.
 STANDIN_NODES = REPO / "devstack" / "nodes" / "small.yaml"
 UNPLACEABLE_REASON = "model 'unplaceable' cannot be placed on any node: no node has 8 x nvidia/gpu"
@@ -302,6 +309,57 @@ async def latency(url: str, body: bytes, n: int, warmup: int = 50, expect: int =
             if i >= warmup:
                 timings.append(time.perf_counter() - started)
     return timings
+
+
+@dataclass
+class Parking:
+    answered_after_park: list[float]
+    codes: dict[str, int]
+    overloaded: list[float]
+
+
+async def waiting_metric(router: str, session: aiohttp.ClientSession) -> float:
+    async with session.get(f"{router}/metrics") as resp:
+        for line in (await resp.text()).splitlines():
+            if line.startswith('llmgw_router_waiting_requests{model="cold"}'):
+                return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+async def park_while_waiting(router: str, consul: str, clients: int = WAITING_CLIENTS) -> Parking:
+    """`clients` requests wait for `cold`; more are refused as overloaded (timed); then the
+    model is parked in Consul, as the watcher does, and each waiting client's answer is timed
+    from that write."""
+    url = router + "/v1/chat/completions"
+    answered: list[float] = []
+    codes: dict[str, int] = {}
+    connector = aiohttp.TCPConnector(limit=clients + 8)
+    async with aiohttp.ClientSession(
+        connector=connector, timeout=aiohttp.ClientTimeout(total=300)
+    ) as session:
+
+        async def wait_one() -> None:
+            async with session.post(url, data=COLD_REQUEST, headers=HEADERS) as resp:
+                error = (await resp.json(content_type=None)).get("error", {})
+                answered.append(time.time())
+                code = f"{resp.status} {error.get('code')}"
+                codes[code] = codes.get(code, 0) + 1
+
+        tasks = [asyncio.create_task(wait_one()) for _ in range(clients)]
+        deadline = time.monotonic() + 60
+        while await waiting_metric(router, session) < clients:
+            if time.monotonic() > deadline or any(t.done() for t in tasks):
+                raise RuntimeError(f"{clients} requests for 'cold' did not all wait: {codes}")
+            await asyncio.sleep(0.1)
+        overloaded = await latency(url, COLD_REQUEST, 200, warmup=10, expect=429)
+        parked_at = time.time()
+        async with session.put(
+            f"{consul}/v1/kv/llmgw/state/cold",
+            json={"parked": True, "consecutive_failures": 5, "last_error": "bench: parked while waiting"},
+        ) as resp:
+            resp.raise_for_status()
+        await asyncio.gather(*tasks)
+    return Parking([t - parked_at for t in answered], codes, overloaded)
 
 
 async def refuses(url: str, body: bytes, code: str) -> None:
@@ -694,8 +752,9 @@ def start_activation(procs: Procs, tmp: Path, consul: str) -> str:
     )
     nomad = f"http://127.0.0.1:{nomad_port}"
     wait_http(f"{nomad}/v1/status/leader", ok=lambda r: r.status_code == 200)
-    job = render_job(parse_models(MODELS).models["huge"])
-    httpx.post(f"{nomad}/v1/jobs", json={"Job": job}, timeout=10).raise_for_status()
+    for name in ("huge", "cold"):
+        job = render_job(parse_models(MODELS).models[name])
+        httpx.post(f"{nomad}/v1/jobs", json={"Job": job}, timeout=10).raise_for_status()
     procs.start(
         "router-activation",
         [
@@ -708,7 +767,12 @@ def start_activation(procs: Procs, tmp: Path, consul: str) -> str:
             "--log-level",
             "warning",
         ],
-        env={"CONSUL_HTTP_ADDR": consul, "NOMAD_ADDR": nomad},
+        # The bound is the waiting clients exactly, so that one more is refused as overloaded.
+        env={
+            "CONSUL_HTTP_ADDR": consul,
+            "NOMAD_ADDR": nomad,
+            "LLMGW_ROUTER_MAX_WAITING": str(WAITING_CLIENTS),
+        },
     )
     router = f"http://127.0.0.1:{router_port}"
     try:
@@ -743,6 +807,7 @@ async def measure(
         if activating
         else []
     )
+    parking = await park_while_waiting(activating, consul) if activating else None
     loaded = {name: await throughput(url + path, args.clients, args.seconds) for name, url in targets.items()}
     rps = {name: value for name, (value, _) in loaded.items()}
     moved = await failover(consul, targets["router"], stub2, stub2_port) if stub2 else None
@@ -784,6 +849,23 @@ async def measure(
                 "refusal p99, unplaceable, asking the Nomad stand-in",
                 f"{pct(asked, 0.99) * 1000:.3f} ms (median {statistics.median(asked) * 1000:.3f} ms)",
                 pct(asked, 0.99) < 0.005,
+            )
+        )
+    if parking is not None:
+        slowest = max(parking.answered_after_park)
+        checks.append(
+            (
+                f"parked to answer, {WAITING_CLIENTS} waiting clients, slowest",
+                f"{slowest * 1000:.1f} ms (median {statistics.median(parking.answered_after_park) * 1000:.1f} ms; "
+                f"answers {parking.codes})",
+                slowest < 1.0 and parking.codes == {"503 model_parked": WAITING_CLIENTS},
+            )
+        )
+        checks.append(
+            (
+                f"refusal p99, overloaded, with {WAITING_CLIENTS} waiting",
+                f"{pct(parking.overloaded, 0.99) * 1000:.3f} ms",
+                pct(parking.overloaded, 0.99) < 0.005,
             )
         )
     if "litellm" in rps:

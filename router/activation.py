@@ -11,11 +11,21 @@ activation window. Nomad answers an evaluation in well under a second, so:
   503 `model_loading` with `Retry-After`.
 
 A model that was unplaceable an hour ago but fits now, because another model was scaled down,
-is therefore served, not refused on a stale answer. Concurrent requests share one attempt (one
-scale call, one evaluation), and a placed attempt is shared by everyone who arrives while its
-replica is still loading; a failed attempt is never reused, so the next request asks Nomad again.
-Parked models never get here: parking is the watcher's decision and only a definition change or
-`llmgw ctl retry` lifts it.
+is therefore served, not refused on a stale answer.
+
+Attempts: concurrent requests share the attempt in flight (one scale call, one evaluation); an
+attempt that finished, placed or not, is never joined again, so a request that arrives later
+asks Nomad afresh and sees what Nomad says now (a replacement that fits nowhere any more). A
+placed request waits until the first of: a ready replica; the model parked by the watcher
+(`model_parked`, with the engine's error); a later evaluation of the job failing to place, seen
+by another attempt of this router or by the watcher (`model_unplaceable`); the model's
+definition removed; its activation window (`model_loading`, the only answer that says retry).
+At most `max_waiting` requests wait per model; more get 429 `model_overloaded`.
+
+An attempt that raised the job's count and was refused puts the count back (only if nobody
+changed the job since), and writes no activity: nobody is being served, so nothing should keep
+the model asked for. Parked models never get here: parking is the watcher's decision and only
+a definition change or `llmgw ctl retry` lifts it.
 """
 
 from __future__ import annotations
@@ -33,10 +43,10 @@ import aiohttp
 
 from nomad_driver.blocking import next_index
 from nomad_driver.spec import Model
-from nomad_driver.state import activity_key
+from nomad_driver.state import ModelState, activity_key
 from router import errors
 from router.config import NomadSettings, Timeouts
-from router.discovery import ConsulUnavailable, Discovery
+from router.discovery import ConsulUnavailable, Discovery, Snapshot
 from router.errors import RouterError
 from router.metrics import RouterMetrics
 
@@ -110,10 +120,11 @@ class NomadClient:
         job, _ = await self._call("GET", f"/v1/job/{quote(job_id, safe='')}")
         return job if isinstance(job, dict) else {}
 
-    async def scale(self, job_id: str, group: str, count: int, message: str) -> str:
+    async def scale(self, job_id: str, group: str, count: int, message: str) -> Mapping[str, Any]:
+        """Nomad's reply: `EvalID` (empty when nothing was evaluated) and `JobModifyIndex`."""
         body = {"Count": count, "Target": {"Group": group}, "Message": message}
         reply, _ = await self._call("POST", f"/v1/job/{quote(job_id, safe='')}/scale", body=body)
-        return str((reply or {}).get("EvalID") or "")
+        return reply if isinstance(reply, dict) else {}
 
     async def evaluation(self, eval_id: str, index: int, wait_s: float) -> tuple[Mapping[str, Any], int]:
         params = {"index": str(index), "wait": f"{max(1, int(wait_s))}s"} if index else {}
@@ -133,6 +144,16 @@ def summarize(failed_tg_allocs: Mapping[str, Any], job: Mapping[str, Any] | None
     return summarize_placement(dict(failed_tg_allocs), job=dict(job) if job is not None else None)
 
 
+@dataclass
+class Room:
+    """The requests waiting for one model, and the latest refusal Nomad gave any attempt for it
+    (a later evaluation of the same job releases requests placed by an earlier one)."""
+
+    waiting: int = 0
+    refusals: int = 0
+    refusal: RouterError | None = None
+
+
 class Activator:
     def __init__(
         self,
@@ -141,30 +162,62 @@ class Activator:
         metrics: RouterMetrics,
         timeouts: Timeouts,
         retry_after_s: int,
+        max_waiting: int = 128,
     ) -> None:
         self.nomad = nomad
         self.discovery = discovery
         self.metrics = metrics
         self.timeouts = timeouts
         self.retry_after_s = retry_after_s
+        self.max_waiting = max_waiting
+        # Only attempts in flight: one that finished (placed, refused, failed) is dropped at
+        # once, so the next request asks Nomad again rather than trusting an old answer.
         self._attempts: dict[str, asyncio.Task[AttemptResult]] = {}
+        self._rooms: dict[str, Room] = {}
 
     async def close(self) -> None:
-        for task in self._attempts.values():
+        tasks = list(self._attempts.values())
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._attempts.values(), return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         self._attempts.clear()
 
     def in_flight(self, model: str) -> bool:
-        task = self._attempts.get(model)
-        return task is not None and not task.done()
+        room = self._rooms.get(model)
+        return model in self._attempts or (room is not None and room.waiting > 0)
+
+    def waiting(self, model: str) -> int:
+        room = self._rooms.get(model)
+        return room.waiting if room is not None else 0
 
     async def activate(self, model: Model, arrived: float) -> None:
         """Return once `model` has a ready replica, or raise the answer to give instead."""
+        room = self._rooms.get(model.name)
+        if room is None:
+            room = self._rooms[model.name] = Room()
+        if room.waiting >= self.max_waiting:
+            self.metrics.refusals.labels(model.name, "overloaded").inc()
+            raise errors.overloaded(model.name, room.waiting, self.retry_after_s)
+        room.waiting += 1
+        gauge = self.metrics.waiting.labels(model.name)
+        gauge.inc()
+        try:
+            await self._wait(model, room, arrived)
+        finally:
+            room.waiting -= 1
+            gauge.dec()
+            if room.waiting == 0 and model.name not in self._attempts:
+                self._rooms.pop(model.name, None)
+
+    async def _wait(self, model: Model, room: Room, arrived: float) -> None:
+        # What the watcher said about placement before this request: only a newer word counts
+        # (the older one is what this request's own attempt asks Nomad about afresh).
+        known = _placement_mark(self.discovery.snapshot.states.get(model.name))
         task = self._attempts.get(model.name)
-        if task is None or not self._reusable(task, model):
-            task = asyncio.create_task(self._attempt(model))
+        if task is None:
+            task = asyncio.create_task(self._attempt(model, room))
             self._attempts[model.name] = task
+            task.add_done_callback(lambda done: self._attempt_done(model.name, done))
         # Shielded: one client giving up must not cancel the attempt the others are waiting on.
         result = await asyncio.shield(task)
         if result.error is not None:
@@ -172,27 +225,63 @@ class Activator:
         if not result.placed:
             self.metrics.refusals.labels(model.name, "unplaceable").inc()
             raise errors.unplaceable(model.name, result.reason)
+        refusals_seen = room.refusals
         window = model.activation_timeout_s
-        remaining = window - (time.monotonic() - arrived)
-        if remaining > 0 and await self.discovery.wait_ready(model.name, remaining):
-            # Its replica came: the attempt is spent. Reused later, after the watcher scaled
-            # the model back to zero, it would ask Nomad for nothing and wait out the window.
-            if self._attempts.get(model.name) is task:
-                del self._attempts[model.name]
-            return
-        raise errors.loading(model.name, window, self.retry_after_s)
+        deadline = arrived + window
+        while True:
+            snapshot = self.discovery.snapshot
+            if snapshot.ready.get(model.name):
+                return
+            answer = self._early_answer(model.name, snapshot, room, refusals_seen, known, result.eval_id)
+            if answer is not None:
+                raise answer
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise errors.loading(model.name, window, self.retry_after_s)
+            await self.discovery.wait_change(model.name, remaining)
 
-    def _reusable(self, task: asyncio.Task[AttemptResult], model: Model) -> bool:
-        if not task.done():
-            return True
-        if task.cancelled() or task.exception() is not None:
-            return False
-        result = task.result()
-        # A placed attempt stands while its replica may still be loading; anything else is
-        # stale the moment it is answered.
-        return result.placed and time.monotonic() - result.finished < model.activation_timeout_s
+    def _early_answer(
+        self,
+        name: str,
+        snapshot: Snapshot,
+        room: Room,
+        refusals_seen: int,
+        known: tuple[str, float],
+        own_eval: str,
+    ) -> RouterError | None:
+        """Why a placed request should stop waiting before its window ends, if it should: the
+        answer it would get if it arrived now, instead of "loading" minutes later."""
+        state = snapshot.states.get(name)
+        if state is not None and state.parked:
+            self.metrics.refusals.labels(name, "parked").inc()
+            return errors.parked(name, state.consecutive_failures, state.last_error)
+        if snapshot.models and name not in snapshot.models:
+            self.metrics.refusals.labels(name, "removed").inc()
+            return errors.removed(name)
+        if room.refusals != refusals_seen and room.refusal is not None:
+            # A later attempt of this router found no room (a replacement that fits nowhere now).
+            self.metrics.refusals.labels(name, "unplaceable").inc()
+            return room.refusal
+        if (
+            state is not None
+            and state.unplaceable
+            and state.placement_eval != own_eval
+            and _placement_mark(state) != known
+        ):
+            # The watcher saw a later evaluation of the job (a rescheduled or replacement
+            # allocation) fail to place.
+            self.metrics.refusals.labels(name, "unplaceable").inc()
+            return errors.unplaceable(name, state.placement_reason)
+        return None
 
-    async def _attempt(self, model: Model) -> AttemptResult:
+    def _attempt_done(self, name: str, task: asyncio.Task[AttemptResult]) -> None:
+        if self._attempts.get(name) is task:
+            del self._attempts[name]
+        room = self._rooms.get(name)
+        if room is not None and room.waiting == 0:
+            del self._rooms[name]
+
+    async def _attempt(self, model: Model, room: Room) -> AttemptResult:
         try:
             result = await self._scale_and_evaluate(model)
         except NomadError as exc:
@@ -217,28 +306,28 @@ class Activator:
             log.warning(
                 "model %s is unplaceable (evaluation %s): %s", model.name, result.eval_id, result.reason
             )
+            # Requests still waiting on an earlier placement hear this too: the replica they
+            # wait for is the one Nomad just said fits nowhere.
+            room.refusals += 1
+            room.refusal = errors.unplaceable(model.name, result.reason)
+            self.discovery.notify(model.name)
         return result
 
     async def _scale_and_evaluate(self, model: Model) -> AttemptResult:
-        # The watcher scales idle models down by this key; a model being activated is in use.
-        try:
-            await self.discovery.put_kv(activity_key(model.name), f"{time.time():.3f}")
-        except ConsulUnavailable as exc:
-            log.warning("could not record activity for %s before activation: %s", model.name, exc)
-
         job = await self.nomad.job(model.job_id)
         groups = job.get("TaskGroups") or []
         if not groups:
             raise NomadError(404, f"job {model.job_id} has no task group")
         group = groups[0]
+        group_name = str(group.get("Name") or "")
         current = int(group.get("Count") or 0)
         # At least one, at least the minimum, never past the maximum; an already running count
         # is kept, and scaling to it still makes Nomad evaluate the job afresh.
         target = min(max(current, model.replicas_min, 1), max(model.replicas_max, 1))
         try:
-            eval_id = await self.nomad.scale(
+            reply = await self.nomad.scale(
                 model.job_id,
-                str(group.get("Name") or ""),
+                group_name,
                 target,
                 f"llmgw router: request for {model.name} with no ready replica",
             )
@@ -246,13 +335,18 @@ class Activator:
             if exc.status == 400 and "active deployment" in str(exc):
                 # A deployment is rolling the job out right now: its allocations are placed
                 # and starting, which is what this attempt would have asked for.
+                await self._record_activity(model)
                 return AttemptResult(placed=True, finished=time.monotonic())
             raise
+        eval_id = str(reply.get("EvalID") or "")
         if not eval_id:
+            await self._record_activity(model)
             return AttemptResult(placed=True, finished=time.monotonic())
         evaluation = await self._wait_evaluation(eval_id)
         failed = evaluation.get("FailedTGAllocs") or {}
         if failed:
+            if target != current:
+                await self._undo(model, group_name, current, target, reply.get("JobModifyIndex"))
             return AttemptResult(
                 placed=False, reason=summarize(failed, job), eval_id=eval_id, finished=time.monotonic()
             )
@@ -260,7 +354,40 @@ class Activator:
             raise NomadError(
                 500, f"evaluation {eval_id} failed: {evaluation.get('StatusDescription') or 'no description'}"
             )
+        # Written once Nomad placed it, not before: a refused request is no demand, and the
+        # watcher must be free to scale down a model nobody could be served by.
+        await self._record_activity(model)
         return AttemptResult(placed=True, eval_id=eval_id, finished=time.monotonic())
+
+    async def _record_activity(self, model: Model) -> None:
+        # The watcher scales idle models down by this key; a model being activated is in use.
+        try:
+            await self.discovery.put_kv(activity_key(model.name), f"{time.time():.3f}")
+        except ConsulUnavailable as exc:
+            log.warning("could not record activity for %s after activation: %s", model.name, exc)
+
+    async def _undo(self, model: Model, group: str, previous: int, raised: int, modify_index: Any) -> None:
+        """Put the count back after a refused attempt, so that Nomad's blocked evaluation does
+        not start the model later for a client that was told "unplaceable" and left. Only while
+        the job is as this attempt left it: a count someone else set since (the watcher,
+        another router, an operator) is theirs to keep."""
+        try:
+            job = await self.nomad.job(model.job_id)
+            groups = job.get("TaskGroups") or []
+            count = int(groups[0].get("Count") or 0) if groups else -1
+            if count != raised or (modify_index and job.get("JobModifyIndex") != modify_index):
+                log.info(
+                    "not undoing the activation of %s: its job changed since (count %d)", model.name, count
+                )
+                return
+            await self.nomad.scale(
+                model.job_id,
+                group,
+                previous,
+                f"llmgw router: undo the activation of {model.name}: Nomad could not place it",
+            )
+        except NomadError as exc:
+            log.warning("could not put %s's count back to %d: %s", model.name, previous, exc)
 
     async def _wait_evaluation(self, eval_id: str) -> Mapping[str, Any]:
         deadline = time.monotonic() + self.timeouts.evaluation_s
@@ -280,6 +407,12 @@ class Activator:
             # A server that answers a blocking read at once must not turn this into a busy loop.
             if time.monotonic() - started < 0.05:
                 await asyncio.sleep(0.05)
+
+
+def _placement_mark(state: ModelState | None) -> tuple[str, float]:
+    if state is None or not state.unplaceable:
+        return ("", 0.0)
+    return (state.placement_eval, state.updated_at)
 
 
 def _nomad_failure(model: Model, exc: NomadError) -> RouterError:

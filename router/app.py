@@ -11,11 +11,14 @@ from __future__ import annotations
 import asyncio
 import gc
 import hmac
+import json
 import logging
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass
 from typing import Any
 
+import aiohttp
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from yarl import URL
 
@@ -24,6 +27,7 @@ from router import errors
 from router import status as views
 from router.activation import Activator, NomadClient
 from router.activity import WAITING, ActivityRecorder
+from router.client import BODY, FIRST_BYTE, STOPPED_READING, STREAM, UPSTREAM, ClientConnection, ClientLeft
 from router.config import RouterConfig
 from router.discovery import Discovery, Replica, Snapshot
 from router.errors import RouterError
@@ -44,6 +48,21 @@ PROXY_PATHS = {"/v1/chat/completions": True, "/v1/completions": True, "/v1/embed
 # replica; past that the fleet has a wider problem than one dead replica.
 MAX_CONNECT_ATTEMPTS = 3
 CLIENT_CLOSED = 499
+# The head of a stream that starts before its replica is ready (keepalive comments first).
+SSE_HEADERS = (
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    # nginx buffers a proxied answer unless told not to, which would hold back the keepalives.
+    (b"x-accel-buffering", b"no"),
+)
+
+
+@dataclass
+class Outcome:
+    """What one proxied request is counted as: its model (once known) and its status."""
+
+    label: str = UNKNOWN_MODEL
+    status: int = 500
 
 
 class RouterApp:
@@ -61,7 +80,12 @@ class RouterApp:
         self.nomad = NomadClient(config.nomad)
         self.activation = activation
         self.activator = Activator(
-            self.nomad, self.discovery, self.metrics, config.timeouts, config.retry_after_s
+            self.nomad,
+            self.discovery,
+            self.metrics,
+            config.timeouts,
+            config.retry_after_s,
+            max_waiting=config.max_waiting,
         )
         self.activity = ActivityRecorder(self.discovery.put_kv, config.activity_interval_s)
         self._keys = tuple(k.encode() for k in config.api_keys)
@@ -173,8 +197,39 @@ class RouterApp:
 
     async def _proxy(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
         arrived = time.monotonic()
-        label = UNKNOWN_MODEL
-        status = 500
+        client = ClientConnection(receive, send, self.config.timeouts.client_send_s)
+        outcome = Outcome()
+        try:
+            await self._handle(scope, receive, client, path, arrived, outcome)
+        except asyncio.CancelledError:
+            if not client.gone:
+                raise
+            # The client hung up: everything its request held is closed by now, the
+            # replica's connection included, so the engine stops working for nobody.
+            outcome.status = CLIENT_CLOSED
+            self.metrics.early_end(outcome.label, client.early_end())
+        except ClientLeft as left:
+            outcome.status = CLIENT_CLOSED
+            self.metrics.early_end(outcome.label, left.kind)
+            if left.kind == STOPPED_READING:
+                log.warning(
+                    "dropped a client of %s that read nothing for %gs; its replica's request is cancelled",
+                    outcome.label,
+                    self.config.timeouts.client_send_s,
+                )
+        finally:
+            client.close()
+            self.metrics.count_request(outcome.label, outcome.status, time.monotonic() - arrived)
+
+    async def _handle(
+        self,
+        scope: Scope,
+        receive: Receive,
+        client: ClientConnection,
+        path: str,
+        arrived: float,
+        outcome: Outcome,
+    ) -> None:
         try:
             if scope["method"] != "POST":
                 raise RouterError(405, "method_not_allowed", f"{path} takes POST, not {scope['method']}")
@@ -188,6 +243,7 @@ class RouterApp:
             )
             request = parse_request(body)
             model = request["model"]
+            client.watch()
             snapshot = self.discovery.snapshot
             ready = snapshot.ready.get(model)
             if not ready:
@@ -201,28 +257,62 @@ class RouterApp:
                     )
                 if model not in snapshot.known_models():
                     raise errors.model_not_found(model, snapshot.known_models())
-                label = model
+                outcome.label = model
                 # Waiting for a replica is in flight too: the watcher must not stop the one
                 # being started for it.
                 self.activity.begin(model, WAITING)
                 try:
-                    await self._without_replica(model, snapshot, arrived)
+                    if request.get("stream") is True:
+                        await self._wait_streaming(client, model, snapshot, arrived)
+                    else:
+                        await self._without_replica(model, snapshot, arrived)
                 finally:
                     self.activity.end(model, WAITING)
-            label = model
+            outcome.label = model
             self.activity.touch(model)
-            status = await self._forward(receive, send, path, model, body, request, session_header, arrived)
+            outcome.status = await self._forward(client, path, model, body, request, session_header, arrived)
         except RouterError as err:
-            status = err.status
-            await send_error(send, err)
+            outcome.status = err.status
+            await self._send_error(client, err)
         except ClientGone:
-            status = CLIENT_CLOSED
+            outcome.status = CLIENT_CLOSED
         except StreamBroken:
             # Re-raised so that the server drops the connection mid-body (see _respond).
-            status = 502
+            outcome.status = 502
             raise
+
+    async def _send_error(self, client: ClientConnection, err: RouterError) -> None:
+        if not client.started:
+            await send_error(client.send, err)
+            return
+        # The stream's head went out while the request waited: the same answer as an event.
+        await client.send({"type": "http.response.body", "body": err.sse_frame(), "more_body": True})
+        await client.send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _wait_streaming(
+        self, client: ClientConnection, model: str, snapshot: Snapshot, arrived: float
+    ) -> None:
+        """`_without_replica` for a streamed request: answered as plainly as any other if the
+        answer comes within one keepalive interval; past that the stream starts with comment
+        lines every interval, so that no proxy or client read timeout ends a cold start."""
+        waiting = asyncio.ensure_future(self._without_replica(model, snapshot, arrived))
+        try:
+            while True:
+                done, _ = await asyncio.wait((waiting,), timeout=self.config.keepalive_s)
+                if done:
+                    waiting.result()
+                    return
+                if not client.started:
+                    await client.send(
+                        {"type": "http.response.start", "status": 200, "headers": list(SSE_HEADERS)}
+                    )
+                await client.send(
+                    {"type": "http.response.body", "body": errors.keepalive(model), "more_body": True}
+                )
         finally:
-            self.metrics.count_request(label, status, time.monotonic() - arrived)
+            if not waiting.done():
+                waiting.cancel()
+                await asyncio.gather(waiting, return_exceptions=True)
 
     async def _without_replica(self, model: str, snapshot: Snapshot, arrived: float) -> None:
         """Refuse, or activate and wait; returns only when `model` has a ready replica."""
@@ -249,8 +339,7 @@ class RouterApp:
 
     async def _forward(
         self,
-        receive: Receive,
-        send: Send,
+        client: ClientConnection,
         path: str,
         model: str,
         body: bytes,
@@ -282,6 +371,7 @@ class RouterApp:
             balancer.acquire(replica_id)
             self.activity.begin(model, replica_id)
             try:
+                client.phase = UPSTREAM
                 try:
                     resp = await self.upstream.open(self._url(replica, path), body)
                 except ConnectFailed as exc:
@@ -297,7 +387,12 @@ class RouterApp:
                         type_="server_error",
                     ) from exc
                 try:
-                    return await self._respond(resp, receive, send, replica, arrived)
+                    return await self._respond(resp, client, replica, arrived)
+                except BaseException:
+                    # Closing, not releasing: the engine sees its connection go and stops
+                    # generating (a client that left, a stream that broke).
+                    resp.close()
+                    raise
                 finally:
                     resp.release()
             finally:
@@ -313,15 +408,16 @@ class RouterApp:
             headers=((b"retry-after", b"1"),),
         )
 
-    async def _respond(
-        self, resp: Any, receive: Receive, send: Send, replica: Replica, arrived: float
-    ) -> int:
+    async def _respond(self, resp: Any, client: ClientConnection, replica: Replica, arrived: float) -> int:
         model = replica.model
+        if client.started:
+            return await self._respond_in_stream(resp, client, replica, arrived)
         headers = response_headers(resp, ((b"x-llmgw-replica", replica.id.encode()),))
         if resp.content_length is not None:
+            client.phase = BODY
             try:
                 payload = await resp.read()
-            except Exception as exc:
+            except (aiohttp.ClientError, TimeoutError) as exc:
                 # Nothing has gone to the client yet, so it gets a proper error answer.
                 self._replica_failed(replica, "stream", f"{replica.id}: {exc!r}")
                 raise RouterError(
@@ -332,20 +428,28 @@ class RouterApp:
                     type_="server_error",
                 ) from exc
             headers.append((b"content-length", str(len(payload)).encode()))
-            await send({"type": "http.response.start", "status": resp.status, "headers": headers})
+            await client.send({"type": "http.response.start", "status": resp.status, "headers": headers})
             self.metrics.observe_ttfb(model, time.monotonic() - arrived)
-            await send({"type": "http.response.body", "body": payload, "more_body": False})
+            await client.send({"type": "http.response.body", "body": payload, "more_body": False})
             return int(resp.status)
 
-        await send({"type": "http.response.start", "status": resp.status, "headers": headers})
-        client_gone = asyncio.ensure_future(receive())
+        await client.send({"type": "http.response.start", "status": resp.status, "headers": headers})
+        return await self._relay(resp, client, replica, arrived)
+
+    async def _relay(self, resp: Any, client: ClientConnection, replica: Replica, arrived: float) -> int:
+        model = replica.model
+        client.phase = FIRST_BYTE
+
+        def first_byte() -> None:
+            client.phase = STREAM
+            self.metrics.observe_ttfb(model, time.monotonic() - arrived)
+
         try:
-            complete = await relay_body(
+            await relay_body(
                 resp,
-                send,
+                client.send,
                 between_chunks_s=self.config.timeouts.between_chunks_s,
-                on_first_byte=lambda: self.metrics.observe_ttfb(model, time.monotonic() - arrived),
-                client_gone=client_gone,
+                on_first_byte=first_byte,
             )
         except StreamBroken as exc:
             resp.close()
@@ -360,15 +464,40 @@ class RouterApp:
                 f"replica {replica.id} of model '{model}' failed mid-stream: {exc}; retry the request",
                 type_="server_error",
             )
-            await send({"type": "http.response.body", "body": err.sse_frame(), "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            await self._send_error(client, err)
             return 502
-        finally:
-            client_gone.cancel()
-        if not complete:
-            # Closing, not releasing: the engine sees the connection go and stops generating.
-            resp.close()
-            return CLIENT_CLOSED
+        return int(resp.status)
+
+    async def _respond_in_stream(
+        self, resp: Any, client: ClientConnection, replica: Replica, arrived: float
+    ) -> int:
+        """The replica's answer for a stream that already started with keepalives: its events
+        as they come, or its refusal (a 400 for a bad request, say) as one error event."""
+        if resp.status == 200 and resp.content_type == "text/event-stream":
+            return await self._relay(resp, client, replica, arrived)
+        client.phase = BODY
+        try:
+            payload = await resp.content.read(64 * 1024)
+        except aiohttp.ClientError:
+            payload = b""
+        message = payload.decode("utf-8", "replace").strip() or f"HTTP {resp.status}"
+        err = RouterError(
+            resp.status if resp.status >= 400 else 502,
+            "upstream_error",
+            f"replica {replica.id} of model '{replica.model}' answered {resp.status}: {message[:2000]}",
+            type_="server_error" if resp.status >= 500 else "invalid_request_error",
+        )
+        try:
+            upstream = json.loads(payload)
+        except ValueError:
+            upstream = None
+        if isinstance(upstream, dict) and isinstance(upstream.get("error"), dict):
+            # The engine's own error object, passed on as the SDK would have seen it.
+            frame = b"data: " + json.dumps({"error": upstream["error"]}).encode() + b"\n\n"
+            await client.send({"type": "http.response.body", "body": frame, "more_body": True})
+            await client.send({"type": "http.response.body", "body": b"", "more_body": False})
+        else:
+            await self._send_error(client, err)
         return int(resp.status)
 
     def _routing_keys(

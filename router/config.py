@@ -45,6 +45,9 @@ class Timeouts:
     # Each read of a request body must bring something within this; a slow chunked body holds
     # a connection and a task for as long as the client likes otherwise.
     body_read_s: float = 30.0
+    # One write to a client: a client that stops reading for this long is dropped and its
+    # replica's request cancelled, so it cannot hold an engine slot by not reading.
+    client_send_s: float = 30.0
 
 
 @dataclass(frozen=True)
@@ -115,6 +118,12 @@ class RouterConfig:
     # long, bridging the second or two until its Consul check turns critical.
     eject_s: float = 5.0
     retry_after_s: int = 10
+    # Requests that may wait for one model's replica at once (a cold start under load); past
+    # it the answer is 429 `model_overloaded`. Env LLMGW_ROUTER_MAX_WAITING.
+    max_waiting: int = 128
+    # How often a streamed request that waits for a replica gets an SSE comment, so proxies
+    # and clients with read timeouts do not give up on a cold start.
+    keepalive_s: float = 5.0
 
 
 def parse_listen(value: str) -> tuple[str, int]:
@@ -197,8 +206,20 @@ def from_env(env: Mapping[str, str] | None = None, **overrides: object) -> Route
         "nomad": nomad_from_env(env),
         "api_keys": load_api_keys("", env.get("LLMGW_API_KEYS", "")),
     }
+    if env.get("LLMGW_ROUTER_MAX_WAITING"):
+        values["max_waiting"] = _positive_int("LLMGW_ROUTER_MAX_WAITING", env["LLMGW_ROUTER_MAX_WAITING"])
     values.update(overrides)
     return RouterConfig(**values)  # type: ignore[arg-type]
+
+
+def _positive_int(name: str, value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise ConfigError(f"{name}={value!r}: expected a positive whole number") from None
+    if number <= 0:
+        raise ConfigError(f"{name}={value!r}: expected a positive whole number")
+    return number
 
 
 def _ssl_context(addr: str, cacert: str, cert: str, key: str) -> ssl.SSLContext | None:

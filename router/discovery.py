@@ -242,10 +242,10 @@ class Discovery:
             return None
         return time.monotonic() - min(last for last in lasts if last is not None)
 
-    async def wait_ready(self, model: str, timeout: float) -> bool:
-        """Until `model` has a ready replica in the snapshot, or `timeout` passes."""
-        if self.snapshot.ready.get(model):
-            return True
+    async def wait_change(self, model: str, timeout: float) -> None:
+        """Until anything in the snapshot that concerns `model` may have changed (its replicas,
+        its state, the definitions), `notify(model)` is called, or `timeout` passes. Callers
+        look at the snapshot again afterwards; a wake-up for nothing costs them one look."""
         event = self._waiters.get(model)
         if event is None:
             event = self._waiters[model] = asyncio.Event()
@@ -254,7 +254,11 @@ class Discovery:
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout):
                 await event.wait()
-        return bool(self.snapshot.ready.get(model))
+
+    def notify(self, model: str) -> None:
+        event = self._waiters.pop(model, None)
+        if event is not None:
+            event.set()
 
     async def put_kv(self, key: str, value: str, timeout: float = 5.0) -> None:
         if self._http is None:
@@ -337,13 +341,17 @@ class Discovery:
         ready = {m: rs for m, rs in ready.items() if rs}
         by_id = {r.id: r for rs in replicas.values() for r in rs}
         self._publish(replace(self.snapshot, replicas=replicas, ready=ready, by_id=by_id))
-        for model in [m for m in self._waiters if m in ready]:
-            self._waiters.pop(model).set()
 
     def _publish(self, snapshot: Snapshot) -> None:
         before, self.snapshot = self.snapshot, snapshot
         if self._on_change is not None:
             self._on_change(before, snapshot)
+        # Every waiting request looks again: a replica became ready, the model was parked or
+        # found unplaceable, or its definition went away. Consul changes are rare next to
+        # requests, so waking all of them is cheaper than working out which.
+        waiters, self._waiters = self._waiters, {}
+        for event in waiters.values():
+            event.set()
 
     def _apply_states(self, body: Any) -> None:
         self._publish(replace(self.snapshot, states=parse_states(body)))

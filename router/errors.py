@@ -47,6 +47,11 @@ class RouterError(Exception):
         return b"data: " + self.body() + b"\n\n"
 
 
+def keepalive(model: str) -> bytes:
+    """An SSE comment: clients and proxies see bytes flowing, and the SDKs skip it."""
+    return f": waiting for a replica of {model}\n\n".encode()
+
+
 def error_body(message: str, type_: str, code: str, param: str | None = None) -> bytes:
     return json.dumps({"error": {"message": message, "type": type_, "param": param, "code": code}}).encode()
 
@@ -108,4 +113,27 @@ def loading(model: str, waited_s: float, retry_after_s: int) -> RouterError:
         f"it is still starting, retry in {retry_after_s}s",
         type_="model_unavailable",
         headers=((b"retry-after", str(retry_after_s).encode()),),
+    )
+
+
+def overloaded(model: str, waiting: int, retry_after_s: int) -> RouterError:
+    # 429, not 503: the model is coming, there is just no room in the queue for it yet, and the
+    # SDKs back off on 429 with Retry-After rather than treating the model as down.
+    return RouterError(
+        429,
+        "model_overloaded",
+        f"model '{model}' has no ready replica and {waiting} requests already wait for one; "
+        f"retry in {retry_after_s}s",
+        type_="rate_limit_error",
+        headers=((b"retry-after", str(retry_after_s).encode()),),
+    )
+
+
+def removed(model: str) -> RouterError:
+    return RouterError(
+        404,
+        "model_not_found",
+        f"model '{model}' was removed from the definitions while this request waited for it",
+        param="model",
+        headers=NO_RETRY,
     )

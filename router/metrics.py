@@ -10,13 +10,17 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from router.client import EARLY_ENDS
 
 # Unknown model names come from clients; labelling them as given would let any client create
 # series without bound.
 UNKNOWN_MODEL = "_unknown"
+
+REFUSAL_REASONS = ("parked", "unplaceable", "overloaded", "removed")
 
 # From a stub's fraction of a millisecond to a long generation.
 DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -54,7 +58,8 @@ class RouterMetrics:
         )
         self.refusals = Counter(
             "llmgw_router_refusals",
-            "Requests refused at once, by reason: parked, unplaceable.",
+            "Requests refused instead of served, by reason: parked, unplaceable, overloaded (too "
+            "many already wait for the model), removed (its definition went away meanwhile).",
             ["model", "reason"],
             registry=self.registry,
         )
@@ -63,6 +68,23 @@ class RouterMetrics:
             "Replica failures seen by the router, by phase: connect (retried elsewhere), "
             "stream (ended the answer with an error).",
             ["model", "phase"],
+            registry=self.registry,
+        )
+        self.early_ends = Counter(
+            "llmgw_router_early_ends",
+            "Requests whose client left before the answer ended, by how far they had come: "
+            "waiting (for a replica), upstream (connecting, or waiting for the replica's answer "
+            "to start), first_byte (a stream's first event), body (a whole answer being read), "
+            "stream (mid-stream); stopped_reading is a client dropped at the write deadline. "
+            "Each cancelled its replica's request.",
+            ["model", "kind"],
+            registry=self.registry,
+        )
+        self.waiting = Gauge(
+            "llmgw_router_waiting_requests",
+            "Requests waiting for a replica of the model right now (a cold start); at most "
+            "the configured bound, past which requests get 429 model_overloaded.",
+            ["model"],
             registry=self.registry,
         )
         self._request_children: dict[tuple[str, int], Any] = {}
@@ -90,8 +112,14 @@ class RouterMetrics:
         their rate works before the first event."""
         for result in ("placed", "unplaceable", "error"):
             self.activations.labels(model, result)
-        for reason in ("parked", "unplaceable"):
+        for reason in REFUSAL_REASONS:
             self.refusals.labels(model, reason)
+        for kind in EARLY_ENDS:
+            self.early_ends.labels(model, kind)
+        self.waiting.labels(model)
+
+    def early_end(self, model: str, kind: str) -> None:
+        self.early_ends.labels(model, kind).inc()
 
     def add_collector(self, collector: Collector) -> None:
         self.registry.register(collector)

@@ -36,6 +36,9 @@ HOP_HEADERS = frozenset(
     }
 )
 UPSTREAM_HEADERS = {"Content-Type": "application/json", "Accept-Encoding": "identity"}
+# The most of one server-sent event held back while waiting for its end; a chat chunk is a few
+# hundred bytes, one with logprobs a few KiB.
+MAX_EVENT_BYTES = 1024 * 1024
 
 
 class ConnectFailed(Exception):
@@ -119,11 +122,13 @@ async def relay_body(
     *,
     between_chunks_s: float,
     on_first_byte: Callable[[], None],
-    client_gone: asyncio.Future[Any] | None = None,
-) -> bool:
+    max_event_bytes: int = MAX_EVENT_BYTES,
+) -> None:
     """Pass a streamed body through chunk by chunk. Server-sent events are cut only at event
     boundaries, so that if the replica dies the client has whole events and then the error.
-    False when the client went away first."""
+
+    A client that leaves meanwhile is noticed by the caller (see router/client.py), which
+    cancels this and closes `resp`."""
     sse = resp.content_type == "text/event-stream"
     content = resp.content
     pending = b""
@@ -141,17 +146,18 @@ async def relay_body(
                 data = pending + chunk if pending else chunk
                 cut = event_end(data)
                 if cut == 0:
-                    pending = data
-                    continue
+                    if len(data) <= max_event_bytes:
+                        pending = data
+                        continue
+                    # An event this large is not worth holding whole: pass it on as it comes,
+                    # so a replica (or something pretending to be one) cannot grow the
+                    # router's memory without bound.
+                    cut = len(data)
                 chunk, pending = data[:cut], data[cut:]
             if first:
                 on_first_byte()
                 first = False
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            if client_gone is not None and client_gone.done():
-                # The client hung up: stop reading so the engine sees the close and stops
-                # generating for nobody.
-                return False
     except TimeoutError as exc:
         raise StreamBroken(f"the replica sent nothing for {between_chunks_s:g}s mid-stream") from exc
     except aiohttp.SocketTimeoutError as exc:
@@ -163,4 +169,3 @@ async def relay_body(
     if first:
         on_first_byte()
     await send({"type": "http.response.body", "body": b"", "more_body": False})
-    return True

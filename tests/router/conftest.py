@@ -154,10 +154,13 @@ StartStub = Callable[..., StubProcess]
 
 @pytest.fixture
 def stub_engine(tmp_path: Path) -> Iterator[StartStub]:
-    """`stub_engine(name, chunks=5, chunk_delay=0.0, delay=0.0) -> StubProcess` (a real process)."""
+    """`stub_engine(name, chunks=5, chunk_delay=0.0, delay=0.0, big_event=0) -> StubProcess`
+    (a real process)."""
     started: list[StubProcess] = []
 
-    def start(name: str, *, chunks: int = 5, chunk_delay: float = 0.0, delay: float = 0.0) -> StubProcess:
+    def start(
+        name: str, *, chunks: int = 5, chunk_delay: float = 0.0, delay: float = 0.0, big_event: int = 0
+    ) -> StubProcess:
         port = free_port()
         log = tmp_path / f"stub-{name}.log"
         with log.open("wb") as out:
@@ -176,6 +179,8 @@ def stub_engine(tmp_path: Path) -> Iterator[StartStub]:
                     str(chunk_delay),
                     "--delay",
                     str(delay),
+                    "--big-event",
+                    str(big_event),
                 ],
                 cwd=ROOT,
                 stdout=out,

@@ -18,8 +18,11 @@ Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
 
 class StubEngine:
-    def __init__(self, name: str, chunks: int, chunk_delay: float, delay: float = 0.0) -> None:
+    def __init__(
+        self, name: str, chunks: int, chunk_delay: float, delay: float = 0.0, big_event: int = 0
+    ) -> None:
         self.name = name
+        self.big_event = big_event
         self.delay = delay
         self.chunks = chunks
         self.chunk_delay = chunk_delay
@@ -94,6 +97,13 @@ class StubEngine:
                 "headers": [(b"content-type", b"text/event-stream")],
             }
         )
+        if self.big_event:
+            # One event of `big_event` bytes, its end held back for a while.
+            await send(
+                {"type": "http.response.body", "body": b"data: " + b"x" * self.big_event, "more_body": True}
+            )
+            await asyncio.sleep(3)
+            await send({"type": "http.response.body", "body": b"\r\n\r\n", "more_body": True})
         for i in range(self.chunks):
             chunk = {
                 "id": f"chatcmpl-{self.name}",
@@ -109,8 +119,9 @@ class StubEngine:
                     "more_body": True,
                 }
             )
-            if self.chunk_delay:
-                await asyncio.sleep(self.chunk_delay)
+            # Even without a delay, let other streams have their turn: a send that does not
+            # block never yields, and one endless stream would starve the rest.
+            await asyncio.sleep(self.chunk_delay)
         await send({"type": "http.response.body", "body": b"data: [DONE]\r\n\r\n", "more_body": False})
 
 
@@ -123,8 +134,9 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, default=5)
     parser.add_argument("--chunk-delay", type=float, default=0.0)
     parser.add_argument("--delay", type=float, default=0.0, help="seconds before a non-streamed answer")
+    parser.add_argument("--big-event", type=int, default=0, help="bytes of one slow event first")
     args = parser.parse_args()
-    app = StubEngine(args.name, args.chunks, args.chunk_delay, args.delay)
+    app = StubEngine(args.name, args.chunks, args.chunk_delay, args.delay, args.big_event)
     uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning", access_log=False, lifespan="off")
 
 

@@ -5,10 +5,12 @@ refused at once with Nomad's reason, and asked about afresh on the next request.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -16,10 +18,14 @@ from typing import Any
 import httpx
 import pytest
 import yaml
+from openai import APIStatusError, OpenAI
 
+from nomad_driver.consul import Consul
+from nomad_driver.nomad import Nomad
 from nomad_driver.render import render_job
 from nomad_driver.spec import parse_models
-from tests.router.conftest import RunningRouter, StartRouter, get_kv, put_kv, wait_until
+from nomad_driver.watcher import Watcher, WatcherConfig
+from tests.router.conftest import RunningRouter, StartRouter, get_kv, put_kv, put_state, wait_until
 
 ENGINE_VERSION = "0.3.36"
 
@@ -61,6 +67,16 @@ models:
     profile: small
     replicas: {{min: 0, max: 1}}
     activation_timeout: 90s
+  filler:
+    source: file://{tiny}
+    profile: small
+    replicas: {{min: 0, max: 1}}
+    activation_timeout: 90s
+  brief:
+    source: file://{tiny}
+    profile: small
+    replicas: {{min: 0, max: 1}}
+    activation_timeout: 1s
   phi-4:
     source: file://{tiny}
     profile: huge
@@ -81,6 +97,7 @@ class Fleet:
         self.engines = engines
 
     def chat(self, model: str, timeout: float = 120) -> httpx.Response:
+        """One plain request (no SDK retries), as a client that gives up after `timeout`."""
         return httpx.post(
             f"{self.router.url}/v1/chat/completions",
             json={"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
@@ -91,38 +108,62 @@ class Fleet:
         job = httpx.get(f"{self.standin.url}/v1/job/{job_id}", timeout=10).json()
         return int(job["TaskGroups"][0]["Count"])
 
+    def scale(self, job_id: str, count: int) -> None:
+        reply = httpx.post(
+            f"{self.standin.url}/v1/job/{job_id}/scale",
+            json={"Count": count, "Target": {"Group": "engine"}, "Message": "test"},
+            timeout=10,
+        )
+        assert reply.status_code == 200, reply.text
+
     def scale_events(self, job_id: str) -> list[dict[str, Any]]:
         status = httpx.get(f"{self.standin.url}/v1/job/{job_id}/scale", timeout=10).json()
         return list(status["TaskGroups"]["engine"]["Events"] or [])
 
 
+MakeFleet = Callable[..., Fleet]
+
+
 @pytest.fixture
-def fleet(
+def make_fleet(
     tmp_path: Path,
     consul_url: str,
     start_standin: Callable[..., Any],
     start_router: StartRouter,
     make_gguf: Callable[..., Path],
-) -> Fleet:
-    # The nodes' engine install: llama-cpp-python from this virtualenv.
-    engines = tmp_path / "engines"
-    python = engines / "llama-cpp-python" / ENGINE_VERSION / "bin" / "python"
-    python.parent.mkdir(parents=True)
-    python.write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
-    python.chmod(0o755)
-    nodes = tmp_path / "nodes.yaml"
-    nodes.write_text(yaml.safe_dump({"nodes": [node("gpu-l4-0", engines, 1, 24564, "NVIDIA L4")]}))
-    standin = start_standin(nodes=nodes)
+) -> MakeFleet:
+    """`make_fleet(clock_speed=1.0, kev_window="3s", **router_overrides)`: one L4 node on the
+    stand-in, the models registered as jobs and stored in Consul, and a router on both."""
 
-    text = models_yaml(make_gguf(), make_gguf("kev"))
-    for model in parse_models(text).models.values():
-        reply = httpx.post(f"{standin.url}/v1/jobs", json={"Job": render_job(model)}, timeout=10)
-        assert reply.status_code == 200, reply.text
-    put_kv(consul_url, "llmgw/config/models", text)
-    router = start_router(consul_url, activation=True, nomad_url=standin.url)
-    router.wait_ready("tiny", 0)
-    wait_until(lambda: len(router.app.discovery.snapshot.models) == 3, 10, "the three models")
-    return Fleet(standin, router, engines)
+    def make(clock_speed: float = 1.0, kev_window: str = "3s", **router_overrides: Any) -> Fleet:
+        # The nodes' engine install: llama-cpp-python from this virtualenv.
+        engines = tmp_path / "engines"
+        python = engines / "llama-cpp-python" / ENGINE_VERSION / "bin" / "python"
+        python.parent.mkdir(parents=True)
+        python.write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
+        python.chmod(0o755)
+        nodes = tmp_path / "nodes.yaml"
+        nodes.write_text(yaml.safe_dump({"nodes": [node("gpu-l4-0", engines, 1, 24564, "NVIDIA L4")]}))
+        standin = start_standin(nodes=nodes, clock_speed=clock_speed)
+
+        text = models_yaml(make_gguf(), make_gguf("kev")).replace(
+            "activation_timeout: 3s", f"activation_timeout: {kev_window}"
+        )
+        for model in parse_models(text).models.values():
+            reply = httpx.post(f"{standin.url}/v1/jobs", json={"Job": render_job(model)}, timeout=10)
+            assert reply.status_code == 200, reply.text
+        put_kv(consul_url, "llmgw/config/models", text)
+        router = start_router(consul_url, activation=True, nomad_url=standin.url, **router_overrides)
+        router.wait_ready("tiny", 0)
+        wait_until(lambda: len(router.app.discovery.snapshot.models) == 5, 10, "the five models")
+        return Fleet(standin, router, engines)
+
+    return make
+
+
+@pytest.fixture
+def fleet(make_fleet: MakeFleet) -> Fleet:
+    return make_fleet()
 
 
 @pytest.mark.slow
@@ -186,18 +227,214 @@ def test_a_model_refused_as_unplaceable_is_served_once_room_is_made(fleet: Fleet
 
 
 @pytest.mark.slow
-def test_a_placed_model_that_never_becomes_ready_gets_model_loading_with_retry_after(fleet: Fleet) -> None:
+def test_a_placed_model_whose_window_runs_out_gets_model_loading_with_retry_after(fleet: Fleet) -> None:
     started = time.monotonic()
-    resp = fleet.chat("kev-0.5b")
+    resp = fleet.chat("brief")
     waited = time.monotonic() - started
     assert resp.status_code == 503
     error = resp.json()["error"]
     assert error["code"] == "model_loading"
     assert int(resp.headers["retry-after"]) > 0
     assert "x-should-retry" not in resp.headers
-    # Its activation window is 3 s.
-    assert 2.5 <= waited < 20
-    fleet.router.expect_metric("llmgw_router_activations_total", 1, model="kev-0.5b", result="placed")
+    # Its activation window is 1 s; an engine takes longer than that to load.
+    assert 0.8 <= waited < 15
+    fleet.router.expect_metric("llmgw_router_activations_total", 1, model="brief", result="placed")
+
+
+class WatcherThread:
+    """The real watcher, on its own event loop in a thread beside the router's."""
+
+    def __init__(self, consul_url: str, nomad_url: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="watcher", daemon=True)
+        self.thread.start()
+        config = WatcherConfig(wait_s=10, lock_delay_s=0.5, tick_s=0.5)
+        self.watcher = self._run(_make_watcher(consul_url, nomad_url, config))
+
+    def _run(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(60)
+
+    def start(self) -> None:
+        self._run(self.watcher.start())
+
+    def stop(self) -> None:
+        self._run(self.watcher.stop())
+        self._run(self.watcher.consul.close())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+async def _make_watcher(consul_url: str, nomad_url: str, config: WatcherConfig) -> Watcher:
+    return Watcher(Consul(consul_url), Nomad(nomad_url), config, ident="test-watcher")
+
+
+@pytest.fixture
+def watcher_for() -> Iterator[Callable[[str, str], WatcherThread]]:
+    started: list[WatcherThread] = []
+
+    def start(consul_url: str, nomad_url: str) -> WatcherThread:
+        w = WatcherThread(consul_url, nomad_url)
+        started.append(w)
+        w.start()
+        return w
+
+    try:
+        yield start
+    finally:
+        for w in started:
+            w.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_client_waiting_for_a_model_that_cannot_start_hears_model_parked_when_it_is_parked(
+    make_fleet: MakeFleet, consul_url: str, watcher_for: Callable[[str, str], WatcherThread]
+) -> None:
+    # A window far longer than the five failed starts take: the answer must come from the
+    # park, not from the window running out.
+    fleet = make_fleet(clock_speed=20.0, kev_window="600s")
+    watcher_for(consul_url, fleet.standin.url)
+    client = OpenAI(base_url=f"{fleet.router.url}/v1", api_key="none", timeout=280)
+    started = time.monotonic()
+    with pytest.raises(APIStatusError) as raised:
+        client.chat.completions.create(
+            model="kev-0.5b", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+        )
+    answered = time.time()
+    assert raised.value.status_code == 503
+    error = raised.value.body
+    assert isinstance(error, dict) and error["code"] == "model_parked", error
+    assert "unknown model architecture: 'kev'" in error["message"]
+    assert "llmgw ctl retry kev-0.5b" in error["message"]
+    state = json.loads(get_kv(consul_url, "llmgw/state/kev-0.5b") or "{}")
+    assert state["parked"] is True
+    # Within seconds of the park, not at the end of the window.
+    assert answered - state["updated_at"] < 5, answered - state["updated_at"]
+    assert time.monotonic() - started < 280
+    # The SDK honoured x-should-retry: false and sent one request.
+    assert fleet.router.requests_counted("kev-0.5b") == 1
+
+
+@pytest.mark.slow
+def test_more_waiting_requests_than_the_bound_get_429_and_a_client_that_leaves_frees_its_place(
+    make_fleet: MakeFleet,
+) -> None:
+    fleet = make_fleet(kev_window="600s", max_waiting=3)
+    router = fleet.router
+
+    def waits() -> Exception | None:
+        try:
+            fleet.chat("kev-0.5b", timeout=8)
+        except httpx.TimeoutException as exc:
+            return exc
+        return None
+
+    with ThreadPoolExecutor(3) as pool:
+        waiting = [pool.submit(waits) for _ in range(3)]
+        wait_until(lambda: router.app.activator.waiting("kev-0.5b") == 3, 10, "three waiting requests")
+        started = time.monotonic()
+        extra = [fleet.chat("kev-0.5b", timeout=10) for _ in range(2)]
+        assert time.monotonic() - started < 2, "the extra requests waited"
+        for resp in extra:
+            assert resp.status_code == 429
+            assert resp.json()["error"]["code"] == "model_overloaded"
+            assert "3 requests already wait" in resp.json()["error"]["message"]
+            assert int(resp.headers["retry-after"]) > 0
+        # The three clients give up (their timeout): each is counted as an early end while
+        # waiting, and their places are free again.
+        assert all(isinstance(f.result(), httpx.TimeoutException) for f in waiting)
+    router.expect_metric("llmgw_router_early_ends_total", 3, timeout=10, model="kev-0.5b", kind="waiting")
+    router.expect_metric("llmgw_router_refusals_total", 2, model="kev-0.5b", reason="overloaded")
+    assert router.app.activator.waiting("kev-0.5b") == 0
+
+
+@pytest.mark.slow
+def test_a_streamed_request_that_waits_gets_keepalive_comments_then_its_tokens(make_fleet: MakeFleet) -> None:
+    fleet = make_fleet(keepalive_s=0.3)
+    lines: list[str] = []
+    with httpx.stream(
+        "POST",
+        f"{fleet.router.url}/v1/chat/completions",
+        json={
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 4,
+            "stream": True,
+        },
+        timeout=120,
+    ) as resp:
+        assert resp.status_code == 200
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in resp.iter_lines() if line]
+    keepalives = [i for i, line in enumerate(lines) if line == ": waiting for a replica of tiny"]
+    data = [i for i, line in enumerate(lines) if line.startswith("data: ")]
+    assert keepalives, lines
+    assert data and max(keepalives) < min(data), lines
+    assert lines[-1] == "data: [DONE]"
+    assert "choices" in json.loads(lines[data[0]][len("data: ") :])
+
+    # The SDK reads the same kind of stream as if the comments were not there.
+    fleet.scale("llmgw-tiny", 0)
+    wait_until(lambda: not fleet.router.app.discovery.snapshot.ready.get("tiny"), 30, "tiny scaled down")
+    client = OpenAI(base_url=f"{fleet.router.url}/v1", api_key="none", timeout=120, max_retries=0)
+    stream = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4, stream=True
+    )
+    chunks = list(stream)
+    assert chunks and chunks[0].choices[0].delta.role == "assistant"
+
+
+@pytest.mark.slow
+def test_a_streamed_request_refused_after_keepalives_gets_the_refusal_as_an_event(
+    make_fleet: MakeFleet,
+) -> None:
+    fleet = make_fleet(keepalive_s=0.2)
+    with httpx.stream(
+        "POST",
+        f"{fleet.router.url}/v1/chat/completions",
+        json={"model": "brief", "messages": [{"role": "user", "content": "hi"}], "stream": True},
+        timeout=60,
+    ) as resp:
+        assert resp.status_code == 200
+        lines = [line for line in resp.iter_lines() if line]
+    assert lines[0] == ": waiting for a replica of brief"
+    error = json.loads(lines[-1][len("data: ") :])["error"]
+    assert error["code"] == "model_loading"
+    assert "no replica became ready within 1s" in error["message"]
+
+
+@pytest.mark.slow
+def test_a_model_placed_once_then_left_without_room_is_refused_and_its_count_put_back(
+    make_fleet: MakeFleet, consul_url: str
+) -> None:
+    fleet = make_fleet(activity_interval_s=0.2)
+    assert fleet.chat("tiny").status_code == 200
+    # Scaled down when idle, as the watcher does; then another model takes the only GPU.
+    fleet.scale("llmgw-tiny", 0)
+    wait_until(lambda: not fleet.router.app.discovery.snapshot.replicas.get("tiny"), 30, "tiny gone")
+    assert fleet.chat("filler").status_code == 200
+    time.sleep(0.6)
+    activity_before = get_kv(consul_url, "llmgw/activity/tiny")
+
+    resp = fleet.chat("tiny")
+    assert resp.status_code == 503, resp.text
+    error = resp.json()["error"]
+    assert error["code"] == "model_unplaceable"
+    assert "nvidia/gpu" in error["message"], error["message"]
+    assert resp.headers["x-should-retry"] == "false"
+    # The attempt raised the count to 1; refused, it put it back, and wrote no activity.
+    assert fleet.job_count("llmgw-tiny") == 0
+    assert any(
+        "undo the activation of tiny" in e.get("Message", "") for e in fleet.scale_events("llmgw-tiny")
+    )
+    time.sleep(0.6)
+    assert get_kv(consul_url, "llmgw/activity/tiny") == activity_before
+
+    # Room is made (the other model scaled down) while the next request is on its way: served.
+    fleet.scale("llmgw-filler", 0)
+    resp = fleet.chat("tiny")
+    assert resp.status_code == 200, resp.text
+    assert fleet.job_count("llmgw-tiny") == 1
 
 
 def test_an_unreachable_nomad_is_a_retryable_503_naming_it(
@@ -221,3 +458,46 @@ def test_an_unreachable_nomad_is_a_retryable_503_naming_it(
     assert "cannot reach Nomad at http://127.0.0.1:9" in error["message"]
     assert resp.headers["retry-after"] == "5"
     router.expect_metric("llmgw_router_activations_total", 1, model="tiny", result="error")
+
+
+@pytest.mark.slow
+def test_a_waiting_request_hears_a_later_unplaceable_evaluation_and_a_removed_definition(
+    make_fleet: MakeFleet, consul_url: str
+) -> None:
+    fleet = make_fleet(kev_window="600s")
+    router = fleet.router
+    # A stale "unplaceable" from before the request does not end its wait; a newer one does.
+    put_state(consul_url, "kev-0.5b", unplaceable=True, placement_reason="old news", placement_eval="e-old")
+    wait_until(lambda: "kev-0.5b" in router.app.discovery.snapshot.states, 10, "the stale state")
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(fleet.chat, "kev-0.5b", 60)
+        wait_until(lambda: router.app.activator.waiting("kev-0.5b") == 1, 20, "a waiting request")
+        time.sleep(1)
+        assert not waiting.done()
+        put_state(
+            consul_url,
+            "kev-0.5b",
+            unplaceable=True,
+            placement_reason="no node has 1 x nvidia/gpu free (replacement allocation)",
+            placement_eval="e-new",
+            updated_at=time.time(),
+        )
+        resp = waiting.result(timeout=10)
+    assert resp.status_code == 503
+    error = resp.json()["error"]
+    assert error["code"] == "model_unplaceable"
+    assert "replacement allocation" in error["message"]
+
+    # The definition goes away while another request waits: it hears so at once.
+    put_state(consul_url, "kev-0.5b")
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(fleet.chat, "kev-0.5b", 60)
+        wait_until(lambda: router.app.activator.waiting("kev-0.5b") == 1, 20, "a waiting request")
+        text = get_kv(consul_url, "llmgw/config/models") or ""
+        models = yaml.safe_load(text)
+        del models["models"]["kev-0.5b"]
+        put_kv(consul_url, "llmgw/config/models", yaml.safe_dump(models))
+        resp = waiting.result(timeout=10)
+    assert resp.status_code == 404
+    assert resp.json()["error"]["code"] == "model_not_found"
+    assert "removed" in resp.json()["error"]["message"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import ssl
 import subprocess
 import sys
@@ -18,7 +19,7 @@ from typer.testing import CliRunner
 from devstack import lifetime
 from devstack.ports import free_port
 from nomad_driver.cli import app as cli_app
-from router.config import ConfigError, Timeouts, load_api_keys, normalise_addr, parse_listen
+from router.config import ConfigError, Timeouts, from_env, load_api_keys, normalise_addr, parse_listen
 from tests.router.conftest import StartRouter, StartStub, register_replica, wait_until, write_self_signed
 
 
@@ -164,3 +165,85 @@ def _answers(url: str) -> bool:
         return httpx.get(url, timeout=1).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def test_an_event_larger_than_the_buffer_is_passed_on_as_it_comes(
+    consul_url: str, stub_engine: StartStub, start_router: StartRouter
+) -> None:
+    big = stub_engine("big", chunks=1, big_event=3 * 1024 * 1024)
+    register_replica(consul_url, "alpha", big.port, "alpha-big")
+    router = start_router(consul_url)
+    router.wait_ready("alpha", 1)
+    received = 0
+    started = time.monotonic()
+    with httpx.stream(
+        "POST", f"{router.url}/v1/chat/completions", json=chat(stream=True), timeout=20
+    ) as resp:
+        for piece in resp.iter_bytes():
+            received += len(piece)
+            if received > 2 * 1024 * 1024:
+                break
+    # Held whole, it would arrive only after the stub's 3 s pause.
+    assert time.monotonic() - started < 2.5
+    assert received > 2 * 1024 * 1024
+
+
+def test_a_client_that_hangs_up_before_the_answer_cancels_the_replicas_request(
+    consul_url: str, stub_engine: StartStub, start_router: StartRouter
+) -> None:
+    slow = stub_engine("slow", delay=30)
+    register_replica(consul_url, "alpha", slow.port, "alpha-slow")
+    router = start_router(consul_url)
+    router.wait_ready("alpha", 1)
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{router.url}/v1/chat/completions", json=chat(), timeout=0.5)
+    router.expect_metric("llmgw_router_early_ends_total", 1, model="alpha", kind="upstream")
+    router.expect_metric("llmgw_router_requests_total", 1, model="alpha", code="499")
+    # The replica's connection is closed, not left open for 30 s.
+    assert router.app.balancer.outstanding == {}
+
+
+def never_reading_stream(router_url: str) -> socket.socket:
+    """A streamed request on a plain socket that is never read. Its receive buffer is small, as
+    a slow client's window is; with the kernel's default a client can take megabytes unread."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", int(router_url.rsplit(":", 1)[1])))
+    body = json.dumps(chat(stream=True)).encode()
+    sock.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    return sock
+
+
+def test_clients_that_stop_reading_are_dropped_at_the_send_deadline(
+    consul_url: str, stub_engine: StartStub, start_router: StartRouter
+) -> None:
+    # Streams far larger than any socket buffer, sent as fast as the stub can.
+    endless = stub_engine("endless", chunks=1_000_000)
+    register_replica(consul_url, "alpha", endless.port, "alpha-endless")
+    router = start_router(consul_url, timeouts=Timeouts(client_send_s=1.0))
+    router.wait_ready("alpha", 1)
+    socks = [never_reading_stream(router.url) for _ in range(20)]
+    try:
+        started = time.monotonic()
+        router.expect_metric(
+            "llmgw_router_early_ends_total", 20, timeout=60, model="alpha", kind="stopped_reading"
+        )
+        assert time.monotonic() - started < 60
+        # Their replica's requests went with them: nothing is left open on the stub.
+        assert router.app.balancer.outstanding == {}
+        assert httpx.post(f"{router.url}/v1/chat/completions", json=chat(), timeout=10).status_code == 200
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def test_the_wait_bound_comes_from_the_environment_and_bad_values_are_refused() -> None:
+    assert from_env({}).max_waiting == 128
+    assert from_env({"LLMGW_ROUTER_MAX_WAITING": "7"}).max_waiting == 7
+    for bad in ("0", "-3", "many"):
+        with pytest.raises(ConfigError, match="LLMGW_ROUTER_MAX_WAITING="):
+            from_env({"LLMGW_ROUTER_MAX_WAITING": bad})

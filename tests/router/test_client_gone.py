@@ -1,0 +1,154 @@
+"""A client that leaves costs nothing: whatever its request was doing, the router cancels the
+replica's request at once, and the engine (a real llama-cpp-python server) stops working on it.
+What counts is the engine's own view: whether it answers another request promptly, and how
+much CPU it burns, not only the router's counters."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.fixtures.engines import MakeGguf, StartLlamaServer
+from tests.router.conftest import RunningRouter, StartRouter, register_replica, wait_until
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+MODEL = "tiny"
+# As the rendered jobs run it (render.py): the default interrupts streams under concurrency.
+ENGINE_ARGS = ["--interrupt_requests", "False"]
+LONG = 1900
+
+
+def chat_body(max_tokens: int = LONG, stream: bool = True, prompt: str = "tell me a long story") -> bytes:
+    return json.dumps(
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": max_tokens,
+            "stream": stream,
+            # Random weights would stop at a random end-of-text token; a long answer must be long.
+            "logit_bias": {"2": -100},
+            "temperature": 1.0,
+        }
+    ).encode()
+
+
+def raw_request(url: str, body: bytes) -> socket.socket:
+    """A POST written by hand on a plain socket, so the test decides when (and whether) it is
+    read, and can close it at any moment."""
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)))
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    sock.sendall(head + body)
+    return sock
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_share(pid: int, over: float = 2.0) -> float:
+    """The share of one core the process used over the next `over` seconds."""
+    before = cpu_seconds(pid)
+    time.sleep(over)
+    return (cpu_seconds(pid) - before) / over
+
+
+def answers_within(engine_url: str, seconds: float) -> float:
+    """Time the engine takes to answer a short chat of its own (not through the router)."""
+    started = time.monotonic()
+    resp = httpx.post(
+        f"{engine_url}/v1/chat/completions",
+        json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+        timeout=seconds,
+    )
+    assert resp.status_code == 200, resp.text
+    return time.monotonic() - started
+
+
+class Engine:
+    def __init__(self, server: Any, router: RunningRouter) -> None:
+        self.server = server
+        self.router = router
+
+    @property
+    def pid(self) -> int:
+        return int(self.server.pid)
+
+    def early_ends(self, kind: str) -> float:
+        return self.router.metric("llmgw_router_early_ends_total", model=MODEL, kind=kind)
+
+    def settles(self, within: float, what: str) -> None:
+        """The engine is idle again: it answers a short request of its own promptly and, after
+        that, burns no CPU."""
+        deadline = time.monotonic() + within
+
+        def idle() -> bool:
+            try:
+                took = answers_within(self.server.url, max(1.0, deadline - time.monotonic()))
+            except httpx.HTTPError:
+                return False
+            return took < 3.0 and cpu_share(self.pid, 1.5) < 0.25
+
+        wait_until(idle, within, f"the engine to be idle again after {what}")
+
+
+@pytest.fixture
+def engine(
+    consul_url: str, make_gguf: MakeGguf, llama_server: StartLlamaServer, start_router: StartRouter
+) -> Callable[..., Engine]:
+    def start(**router_overrides: Any) -> Engine:
+        server = llama_server(make_gguf(), n_ctx=2048, extra_args=ENGINE_ARGS)
+        register_replica(consul_url, MODEL, server.port, f"{MODEL}-engine")
+        router = start_router(consul_url, **router_overrides)
+        router.wait_ready(MODEL, 1, timeout=30)
+        return Engine(server, router)
+
+    return start
+
+
+def test_a_stream_closed_mid_way_stops_the_engine(engine: Callable[..., Engine]) -> None:
+    e = engine()
+    sock = raw_request(e.router.url, chat_body())
+    first = sock.recv(4096)
+    assert b"200 OK" in first, first
+    sock.close()
+    wait_until(lambda: e.early_ends("stream") + e.early_ends("first_byte") == 1, 10, "the early end counted")
+    e.settles(10, "a stream closed mid-way")
+
+
+def test_five_streams_closed_right_after_sending_leave_the_engine_answering(
+    engine: Callable[..., Engine],
+) -> None:
+    e = engine()
+    for _ in range(5):
+        raw_request(e.router.url, chat_body()).close()
+        time.sleep(0.5)
+    wait_until(lambda: e.router.requests_counted(MODEL) == 5, 20, "five requests ended")
+    e.settles(15, "five streams closed before their first byte")
+
+
+def test_a_non_streamed_request_closed_before_its_answer_is_cancelled(engine: Callable[..., Engine]) -> None:
+    """The router's side only: it closes the replica's connection at once. llama-cpp-python
+    itself finishes a non-streamed completion whoever listens (it runs in a worker thread that
+    never looks at the connection; measured in docs/router.md), so the engine's view cannot
+    show the cancel here."""
+    e = engine()
+    sock = raw_request(e.router.url, chat_body(stream=False))
+    time.sleep(0.5)
+    sock.close()
+    wait_until(lambda: e.early_ends("upstream") + e.early_ends("body") == 1, 10, "the early end counted")
+    assert e.router.app.balancer.outstanding == {}
+    e.router.expect_metric("llmgw_router_requests_total", 1, model=MODEL, code="499")
