@@ -193,7 +193,6 @@ class Watcher:
         self.decisions: dict[str, Decision] = {}
         self.views: dict[str, ModelView] = {}
         self.passes = 0
-        self._healthy_starts: set[tuple[str, int]] = set()
         self._scaled_at: dict[str, tuple[int, float]] = {}
         # States this watcher wrote that the KV snapshot may not show yet: (ModifyIndex, state).
         self._written: dict[str, tuple[int, ModelState]] = {}
@@ -328,6 +327,9 @@ class Watcher:
             evals_by_job.setdefault(str(e.get("JobID")), []).append(e)
 
         ready: dict[str, int] = {}
+        # The starts passing their check now: a fact of this snapshot, not a memory. Which start
+        # was ever healthy outlives it only through the model's stored count (its baseline).
+        passing: set[parking.StartId] = set()
         for entry in self.engines.snapshot.data if self.engines.snapshot else ():
             if not _passing(entry):
                 continue
@@ -339,10 +341,8 @@ class Watcher:
             if alloc is not None:
                 start = parking.current_start(alloc)
                 if start is not None:
-                    self._healthy_starts.add(start)
-        # Forget starts of allocations Nomad no longer reports.
-        self._healthy_starts = {s for s in self._healthy_starts if s[0] in allocs_by_id}
-        healthy = frozenset(self._healthy_starts)
+                    passing.add(start)
+        healthy = frozenset(passing)
 
         views: dict[str, ModelView] = {}
         for name, model in self.models.items():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from nomad_driver.reconcile import (
@@ -101,7 +102,12 @@ def test_a_raised_replica_maximum_is_registered_again_without_unparking() -> Non
 
 
 def test_satisfied_model_needs_nothing_and_reads_passing() -> None:
-    d = reconcile(view(allocs=(running("a", 5),), ready=1, healthy_starts=frozenset({("a", 1)})))
+    v = view(allocs=(running("a", 5),), ready=1, healthy_starts=frozenset({(5, "a")}))
+    # The healthy start is written down once, as the count's baseline; then nothing is needed.
+    first = reconcile(v)
+    assert [type(a) for a in first.actions] == [WriteState]
+    assert first.state.failures_after_ns == 5
+    d = reconcile(dataclasses.replace(v, state=first.state, state_index=3))
     assert d.actions == ()
     assert (d.health, d.ready, d.starting) == ("passing", 1, 0)
 
@@ -134,7 +140,14 @@ def test_max_start_failures_is_configurable() -> None:
 
 
 def parked_state(def_hash: str = KEV.def_hash) -> ModelState:
-    return ModelState(parked=True, consecutive_failures=5, last_error="boom", parked_def_hash=def_hash)
+    return ModelState(
+        parked=True,
+        consecutive_failures=5,
+        last_error="boom",
+        parked_def_hash=def_hash,
+        count_def_hash=def_hash,
+        counted_failures=5,
+    )
 
 
 def test_a_parked_model_stays_at_zero_even_if_scaled_up() -> None:
