@@ -134,7 +134,9 @@ def model_status(w: Watcher, name: str) -> dict[str, Any]:
     m = w.models.get(name)
     if d is None or m is None:
         raise UnknownModel(name)
-    if d.state.parked:
+    if d.state.job_conflict:
+        word = "conflict"  # someone else's Nomad job holds the model's job ID
+    elif d.state.parked:
         word = "parked"
     elif d.state.unplaceable:
         word = "unplaceable"
@@ -165,6 +167,7 @@ def model_status(w: Watcher, name: str) -> dict[str, Any]:
         "unplaceable": d.state.unplaceable,
         "placement_reason": d.state.placement_reason,
         "placement_eval": d.state.placement_eval,
+        "job_conflict": d.state.job_conflict,
     }
 
 

@@ -39,6 +39,7 @@ STATE_STYLES = {
     "short": "bold yellow",
     "unplaceable": "bold red",
     "parked": "bold red",
+    "conflict": "bold red",
 }
 
 ctl_app = typer.Typer(
@@ -107,6 +108,8 @@ def model_problem(model: dict[str, Any]) -> str | None:
     Counted from the fields as well as the state word, so an older or newer watcher's state
     vocabulary cannot make a short model pass `--check`.
     """
+    if model.get("job_conflict") or model.get("state") == "conflict":
+        return "conflict"
     if model.get("parked") is True or model.get("state") == "parked":
         return "parked"
     if model.get("unplaceable") is True or model.get("state") == "unplaceable":
@@ -130,7 +133,7 @@ def _state_text(model: dict[str, Any]) -> Text:
     state = str(model.get("state") or "")
     problem = model_problem(model)
     # A state word that contradicts the counts loses: a model short of replicas reads as short.
-    if problem and state not in ("parked", "unplaceable", "short", "starting"):
+    if problem and state not in ("conflict", "parked", "unplaceable", "short", "starting"):
         state = problem
     state = state or "satisfied"
     return Text(state, style=STATE_STYLES.get(state, ""))
@@ -142,7 +145,7 @@ def _console() -> Console:
 
 
 def _problem_first(models: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    order = {"parked": 0, "unplaceable": 1, "short": 2, None: 3}
+    order = {"conflict": 0, "parked": 0, "unplaceable": 1, "short": 2, None: 3}
     return sorted(models, key=lambda m: (order[model_problem(m)], str(m.get("model", ""))))
 
 
