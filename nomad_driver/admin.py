@@ -150,7 +150,9 @@ def model_status(w: Watcher, name: str) -> dict[str, Any]:
     if d is None or m is None:
         raise UnknownModel(name)
     refused = d.state.last_action_error
-    if d.state.parked:
+    if d.state.job_conflict:
+        word = "conflict"  # someone else's Nomad job holds the model's job ID
+    elif d.state.parked:
         word = "parked"
     elif refused is not None:
         word = "refused"
@@ -188,6 +190,7 @@ def model_status(w: Watcher, name: str) -> dict[str, Any]:
         "last_action_error": refused.model_dump() if refused is not None else None,
         "in_flight": view.in_flight if view else 0,
         "busy_replicas": view.busy_replicas if view else 0,
+        "job_conflict": d.state.job_conflict,
     }
 
 

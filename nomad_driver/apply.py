@@ -4,17 +4,23 @@ The file text goes to `llmgw/config/models` with check-and-set, so two operators
 once cannot silently undo each other: the second is told the definitions moved under it. The
 watchers read that key (blocking) and take it from there; the jobs are also registered here so
 that a cluster with no watcher running still gets them.
+
+A Nomad job that llmgw did not render for a model (its meta `llmgw_model` missing or naming
+another model) is never registered over: apply refuses before it stores or registers anything,
+so an operator's own `llmgw-<something>` job cannot be replaced by a model of that name.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from nomad_driver.consul import Consul
 from nomad_driver.nomad import Nomad
-from nomad_driver.reconcile import job_group, job_is_current
+from nomad_driver.reconcile import job_conflict, job_group, job_is_current
 from nomad_driver.render import render_job
 from nomad_driver.spec import ModelSet, parse_models, read_models_text
 from nomad_driver.state import CONFIG_MODELS_KEY
@@ -22,6 +28,10 @@ from nomad_driver.state import CONFIG_MODELS_KEY
 
 class ApplyConflict(Exception):
     """The definitions in Consul changed between reading and writing them."""
+
+
+class JobNotOurs(ApplyConflict):
+    """A model's job ID is taken in Nomad by a job llmgw did not render for that model."""
 
 
 @dataclass
@@ -44,10 +54,26 @@ async def store_definitions(consul: Consul, text: str) -> bool:
     return True
 
 
-def register_jobs(nomad: Nomad, models: ModelSet) -> ApplyResult:
+def current_jobs(nomad: Nomad, models: ModelSet) -> dict[str, Mapping[str, Any] | None]:
+    """Each model's job in Nomad now; raises JobNotOurs, naming every job that is not llmgw's
+    for its model, before anything is changed."""
+    jobs: dict[str, Mapping[str, Any] | None] = {
+        name: nomad.get_job(model.job_id) for name, model in sorted(models.models.items())
+    }
+    problems = [job_conflict(jobs[name], model) for name, model in sorted(models.models.items())]
+    problems = [p for p in problems if p]
+    if problems:
+        raise JobNotOurs("; ".join(problems) + "; nothing was applied")
+    return jobs
+
+
+def register_jobs(
+    nomad: Nomad, models: ModelSet, jobs: Mapping[str, Mapping[str, Any] | None] | None = None
+) -> ApplyResult:
     result = ApplyResult(models)
+    jobs = current_jobs(nomad, models) if jobs is None else jobs
     for name, model in sorted(models.models.items()):
-        current = nomad.get_job(model.job_id)
+        current = jobs.get(name)
         if current is not None and job_is_current(current, model):
             result.unchanged.append(name)
             continue
@@ -63,9 +89,12 @@ def register_jobs(nomad: Nomad, models: ModelSet) -> ApplyResult:
 
 
 def apply_file(path: str | Path, *, consul: Consul | None = None, nomad: Nomad | None = None) -> ApplyResult:
-    """Raises SpecError (bad file), ApplyConflict, ConsulError or NomadError."""
+    """Raises SpecError (bad file), ApplyConflict (JobNotOurs among them), ConsulError or
+    NomadError."""
     text = read_models_text(path)
     models = parse_models(text, str(path))
+    nomad = nomad or Nomad()
+    jobs = current_jobs(nomad, models)
 
     async def store() -> None:
         client = consul or Consul()
@@ -76,4 +105,4 @@ def apply_file(path: str | Path, *, consul: Consul | None = None, nomad: Nomad |
                 await client.close()
 
     asyncio.run(store())
-    return register_jobs(nomad or Nomad(), models)
+    return register_jobs(nomad, models, jobs)

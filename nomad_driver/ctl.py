@@ -40,6 +40,7 @@ STATE_STYLES = {
     "unplaceable": "bold red",
     "parked": "bold red",
     "refused": "bold red",
+    "conflict": "bold red",
 }
 
 ctl_app = typer.Typer(
@@ -109,6 +110,8 @@ def model_problem(model: dict[str, Any]) -> str | None:
     Counted from the fields as well as the state word, so an older or newer watcher's state
     vocabulary cannot make a short model pass `--check`.
     """
+    if model.get("job_conflict") or model.get("state") == "conflict":
+        return "conflict"
     if model.get("parked") is True or model.get("state") == "parked":
         return "parked"
     if model.get("last_action_error") or model.get("state") == "refused":
@@ -137,7 +140,7 @@ def _state_text(model: dict[str, Any]) -> Text:
     state = str(model.get("state") or "")
     problem = model_problem(model)
     # A state word that contradicts the counts loses: a model short of replicas reads as short.
-    if problem and state not in ("parked", "refused", "unplaceable", "short", "starting"):
+    if problem and state not in ("conflict", "parked", "refused", "unplaceable", "short", "starting"):
         state = problem
     state = state or "satisfied"
     return Text(state, style=STATE_STYLES.get(state, ""))
@@ -149,7 +152,7 @@ def _console() -> Console:
 
 
 def _problem_first(models: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    order = {"parked": 0, "refused": 1, "unplaceable": 2, "short": 3, None: 4}
+    order = {"conflict": 0, "parked": 0, "refused": 1, "unplaceable": 2, "short": 3, None: 4}
     return sorted(models, key=lambda m: (order[model_problem(m)], str(m.get("model", ""))))
 
 

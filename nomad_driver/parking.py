@@ -1,4 +1,5 @@
-"""The failure rules: what counts as a start failure, and what the last error really was.
+"""The failure rules: what counts as a start failure, and how the count survives what Nomad
+forgets.
 
 A start is one `Started` of the engine task, or one attempt that never got that far (a driver
 failure, a failed download of the weights). It failed if the engine exited before its Consul
@@ -6,17 +7,22 @@ check ever passed. Starts are counted across allocations and across restarts ins
 allocation, because Nomad restarting a broken engine in place is the same failure repeated,
 and that repetition (155 starts in eight hours) is what parking exists to stop.
 
-Which starts were ever healthy is not in Nomad's task events; the watcher learns it from
-Consul's health of `llmgw-engine` and passes it in as `(alloc_id, start_number)` pairs, so the
-rules here stay pure and clock-free: start times are only ever compared with each other, all
-from Nomad's clock.
+A start is named by its allocation and the time of its `Started` event, never by its position
+in the task's events: Nomad keeps only the newest ten events per task, so positions shift. It
+also forgets whole allocations (garbage collection), and nothing in Nomad says which start was
+ever healthy. So the count is kept as a `Ledger` in the model's state: the failures already
+counted up to a named start, and the baseline before which nothing counts (the newest healthy
+start, the last retry, the moment the definition changed). `count_start_failures` is a pure
+function of Nomad's allocations now, the starts whose check passes now and that ledger, so any
+watcher, started at any moment, reaches the same count. Start times are only ever compared with
+each other, all from Nomad's clock.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 # Attempts that fail before the engine ever runs; each is one failed start.
@@ -29,6 +35,10 @@ _FAILED_BEFORE_START = {
 }
 # After one of these, the exit that follows was asked for (scale-down, stop), not a failure.
 _STOP_REQUESTED = {"Killing", "Killed"}
+# Allocations whose open start may still turn healthy or fail; in any other status it is over.
+_LIVE_CLIENT = {"pending", "running"}
+
+StartId = tuple[int, str]  # (time of its Started event in UnixNano, allocation ID)
 
 
 @dataclass(frozen=True)
@@ -37,77 +47,125 @@ class Start:
 
     alloc_id: str
     task: str
-    number: int  # 1-based count of attempts inside the allocation's task
     time_ns: int
-    ended: bool
+    job_version: int  # the version of the job the allocation runs
+    ended: bool  # over: exited, never started, or its allocation is no longer live
     failed: bool  # ended without being asked to and was never healthy
     error: str  # what Nomad's events said, e.g. "Exit Code: 1"
+
+    @property
+    def ident(self) -> StartId:
+        return (self.time_ns, self.alloc_id)
+
+
+@dataclass(frozen=True)
+class Ledger:
+    """What the count keeps in the model's state, because Nomad forgets it.
+
+    `after_ns`: starts at or before this time never count (the newest healthy start, the last
+    retry, when the current definition reached Nomad). `through`: the newest start whose outcome
+    is already in `counted`; starts at or before it are not counted again, and still count when
+    Nomad no longer lists them. `job_version`: the first job version that ran the current
+    definition; allocations of older versions ran an older one and never count (-1: the
+    definition has not reached Nomad yet, so nothing counts)."""
+
+    after_ns: int = 0
+    through: StartId | None = None
+    counted: int = 0
+    job_version: int = 0
 
 
 @dataclass(frozen=True)
 class FailureCount:
     consecutive: int
-    last_failed: Start | None
-    newest_start_ns: int  # where a reset puts its baseline
+    last_failed: Start | None  # the newest failure Nomad still lists, for its error
+    ledger: Ledger  # what to store so the next count, by any watcher, starts from here
+    newest_start_ns: int  # where a retry puts its baseline
 
 
-def starts_of(alloc: Mapping[str, Any], healthy: frozenset[tuple[str, int]]) -> list[Start]:
-    """Every attempt in one allocation, from its task states' events."""
+def starts_of(alloc: Mapping[str, Any]) -> list[Start]:
+    """Every attempt in one allocation that its task events still show."""
     alloc_id = str(alloc.get("ID", ""))
     states = alloc.get("TaskStates")
     if not isinstance(states, dict):
         return []
+    version = _int(alloc.get("JobVersion"))
+    live = alloc.get("ClientStatus") in _LIVE_CLIENT
+    alloc_failed = alloc.get("ClientStatus") == "failed"
     out: list[Start] = []
     for task, state in sorted(states.items(), key=lambda kv: str(kv[0])):
         if not isinstance(state, dict):
             continue
         events = [e for e in state.get("Events") or [] if isinstance(e, dict)]
-        number = 0
         current: dict[str, Any] | None = None  # the open attempt: time, stop asked
         for ev in events:
             kind = str(ev.get("Type", ""))
             t = _int(ev.get("Time"))
             if kind == "Started":
-                number += 1
                 current = {"time": t, "stopping": False}
             elif kind in _STOP_REQUESTED and current is not None:
                 current["stopping"] = True
             elif kind == "Terminated" and current is not None:
-                was_healthy = (alloc_id, number) in healthy
-                failed = not current["stopping"] and not was_healthy
-                out.append(Start(alloc_id, str(task), number, current["time"], True, failed, event_text(ev)))
+                failed = not current["stopping"]
+                out.append(Start(alloc_id, str(task), current["time"], version, True, failed, event_text(ev)))
                 current = None
             elif kind in _FAILED_BEFORE_START and current is None:
-                number += 1
-                out.append(Start(alloc_id, str(task), number, t, True, True, event_text(ev)))
+                out.append(Start(alloc_id, str(task), t, version, True, True, event_text(ev)))
         if current is not None:
-            out.append(Start(alloc_id, str(task), number, current["time"], False, False, ""))
+            if live:
+                out.append(Start(alloc_id, str(task), current["time"], version, False, False, ""))
+            else:
+                # Its allocation is over but the exit fell off the event list (or never came,
+                # a lost node): a failed allocation is a failed start, anything else was stopped.
+                failed = alloc_failed and not current["stopping"]
+                error = str(alloc.get("ClientDescription") or "allocation failed") if failed else ""
+                out.append(Start(alloc_id, str(task), current["time"], version, True, failed, error))
     return out
 
 
 def count_start_failures(
     allocs: Iterable[Mapping[str, Any]],
-    healthy: frozenset[tuple[str, int]],
-    after_ns: int = 0,
+    healthy: frozenset[StartId],
+    ledger: Ledger = Ledger(),
 ) -> FailureCount:
-    """Failed starts since the last healthy one, ignoring everything at or before `after_ns`
-    (the baseline a retry or a new definition sets, so old failures are forgiven)."""
+    """Consecutive failed starts: the ledger's count, plus the failures Nomad shows after it.
+
+    `healthy` are the starts whose check passes now. Starts are taken in order of their
+    `Started` time. A healthy start resets the count and becomes the new baseline. A start
+    still loading decides nothing yet: failures after it are counted, but the ledger moves only
+    over starts whose outcome is known, so that start is still counted when it ends."""
     starts: list[Start] = []
     for alloc in allocs:
-        starts.extend(starts_of(alloc, healthy))
-    starts.sort(key=lambda s: (s.time_ns, s.alloc_id, s.number))
+        starts.extend(starts_of(alloc))
+    starts.sort(key=lambda s: (s.time_ns, s.alloc_id, s.task))
     newest = max((s.time_ns for s in starts), default=0)
-    count = 0
+    if ledger.job_version < 0:
+        return FailureCount(ledger.counted, None, ledger, newest)
+    count = ledger.counted
     last: Start | None = None
+    kept = ledger
+    skip_through = ledger.through
+    undecided = False
     for s in starts:
-        if s.time_ns <= after_ns:
+        if s.time_ns <= ledger.after_ns or s.job_version < ledger.job_version:
             continue
-        if (s.alloc_id, s.number) in healthy:
-            count, last = 0, None
+        if s.ident in healthy:
+            # Everything before a healthy start is moot, loading or not, counted or not; what
+            # came after it is counted afresh.
+            count, last, undecided, skip_through = 0, None, False, None
+            kept = replace(kept, after_ns=s.time_ns, through=s.ident, counted=0)
+        elif skip_through is not None and s.ident <= skip_through:
+            continue
+        elif not s.ended:
+            undecided = True
         elif s.failed:
             count += 1
             last = s
-    return FailureCount(count, last, newest)
+            if not undecided:
+                kept = replace(kept, through=s.ident, counted=count)
+        elif not undecided:
+            kept = replace(kept, through=s.ident)
+    return FailureCount(count, last, kept, newest)
 
 
 def event_text(ev: Mapping[str, Any]) -> str:
@@ -174,9 +232,11 @@ def _int(v: Any) -> int:
         return 0
 
 
-def current_start(alloc: Mapping[str, Any]) -> tuple[str, int] | None:
-    """The attempt running now, as `(alloc_id, number)`: what a passing check vouches for."""
-    open_starts = [s for s in starts_of(alloc, frozenset()) if not s.ended]
+def current_start(alloc: Mapping[str, Any]) -> StartId | None:
+    """The attempt running now: what a passing check vouches for."""
+    if alloc.get("ClientStatus") not in _LIVE_CLIENT:
+        return None
+    open_starts = [s for s in starts_of(alloc) if not s.ended]
     if not open_starts:
         return None
-    return open_starts[-1].alloc_id, open_starts[-1].number
+    return open_starts[-1].ident

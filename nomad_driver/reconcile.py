@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from nomad_driver.parking import count_start_failures
+from nomad_driver.parking import Ledger, StartId, count_start_failures
 from nomad_driver.placement import latest_placement_failure
 from nomad_driver.spec import Model
 from nomad_driver.state import ModelState
@@ -33,7 +33,8 @@ class ModelView:
     allocs: tuple[Mapping[str, Any], ...] = ()
     evals: tuple[Mapping[str, Any], ...] = ()
     ready: int = 0  # engine instances passing their Consul check
-    healthy_starts: frozenset[tuple[str, int]] = frozenset()
+    # The starts whose engine passes its Consul check now, as (Started time, allocation ID).
+    healthy_starts: frozenset[StartId] = frozenset()
     state: ModelState | None = None
     state_index: int = 0  # the state key's ModifyIndex; 0 when it does not exist
     state_problem: str = ""  # a malformed stored state, to report and replace
@@ -140,29 +141,87 @@ def job_is_current(job: Mapping[str, Any] | None, model: Model) -> bool:
     return job_def_hash(job) == model.def_hash and job_scaling_max(job) == model.replicas_max
 
 
-def failures_after(state: ModelState) -> int:
-    value = getattr(state, "failures_after_ns", 0)
-    return value if isinstance(value, int) else 0
+def job_version(job: Mapping[str, Any] | None) -> int:
+    if not isinstance(job, Mapping):
+        return 0
+    try:
+        return int(job.get("Version") or 0)
+    except (TypeError, ValueError):
+        return 0
+
+
+def job_conflict(job: Mapping[str, Any] | None, model: Model) -> str:
+    """Why the Nomad job with this model's ID is not llmgw's to change, or "" when it is: a
+    job that llmgw did not render for this model (its meta `llmgw_model` missing or naming
+    another model) is someone else's, and registering over it would replace their service."""
+    if not isinstance(job, Mapping):
+        return ""
+    meta = job.get("Meta")
+    owner = meta.get("llmgw_model") if isinstance(meta, Mapping) else None
+    if owner == model.name:
+        return ""
+    whose = f"its meta names model {owner!r}" if owner else "its meta has no llmgw_model"
+    return (
+        f"Nomad job {model.job_id} was not registered by llmgw for model {model.name} ({whose}); "
+        f"llmgw leaves it alone: rename the model or remove that job"
+    )
+
+
+def ledger_of(state: ModelState) -> Ledger:
+    through = (state.counted_through_ns, state.counted_through_alloc) if state.counted_through_alloc else None
+    return Ledger(state.failures_after_ns, through, state.counted_failures, state.count_job_version)
+
+
+def with_ledger(state: ModelState, ledger: Ledger) -> ModelState:
+    through_ns, through_alloc = ledger.through or (0, "")
+    return state.model_copy(
+        update={
+            "failures_after_ns": ledger.after_ns,
+            "counted_through_alloc": through_alloc,
+            "counted_through_ns": through_ns,
+            "counted_failures": ledger.counted,
+            "count_job_version": ledger.job_version,
+        }
+    )
 
 
 def cleared(state: ModelState, baseline_ns: int) -> ModelState:
     """Unparked with the count at 0: failures up to `baseline_ns` are forgiven, because a retry
     or a new definition is a fresh start, not the sixth attempt of the old one."""
-    return state.model_copy(
-        update={
-            "parked": False,
-            "consecutive_failures": 0,
-            "last_error": "",
-            "parked_def_hash": "",
-            "failures_after_ns": baseline_ns,
-        }
+    state = state.model_copy(
+        update={"parked": False, "consecutive_failures": 0, "last_error": "", "parked_def_hash": ""}
     )
+    return with_ledger(state, Ledger(after_ns=baseline_ns, job_version=state.count_job_version))
+
+
+def newest_start_ns(view: ModelView) -> int:
+    return count_start_failures(view.allocs, frozenset()).newest_start_ns
 
 
 def retried(view: ModelView) -> ModelState:
     """The state `llmgw ctl retry` writes."""
-    baseline = count_start_failures(view.allocs, view.healthy_starts).newest_start_ns
-    return cleared(view.state or ModelState(), max(baseline, failures_after(view.state or ModelState())))
+    state = view.state or ModelState()
+    return cleared(state, max(newest_start_ns(view), state.failures_after_ns))
+
+
+def counted_definition(view: ModelView, state: ModelState) -> ModelState:
+    """The state with its count belonging to the model's current definition.
+
+    A new definition starts its own count: the old count and every start Nomad shows now are
+    forgiven, and allocations of job versions older than the first that runs the new definition
+    never count (until Nomad has that version, nothing counts)."""
+    m = view.model
+    if not state.count_def_hash:
+        # Written by an llmgw that kept no definition with the count: the count is the current
+        # definition's, or that of the definition it was parked under.
+        held = state.parked_def_hash if state.parked and state.parked_def_hash else m.def_hash
+        state = state.model_copy(update={"count_def_hash": held})
+    if state.count_def_hash != m.def_hash:
+        state = cleared(state, max(newest_start_ns(view), state.failures_after_ns))
+        state = state.model_copy(update={"count_def_hash": m.def_hash, "count_job_version": -1})
+    if state.count_job_version < 0 and job_def_hash(view.job) == m.def_hash:
+        state = state.model_copy(update={"count_job_version": job_version(view.job)})
+    return state
 
 
 def _same(a: ModelState, b: ModelState) -> bool:
@@ -199,19 +258,21 @@ def reconcile(view: ModelView, max_start_failures: int = DEFAULT_MAX_START_FAILU
     actions: list[Action] = []
     group, count = job_group(view.job)
 
-    # A new source or profile, re-applied, is a fresh start for a parked model.
-    if state.parked and state.parked_def_hash and state.parked_def_hash != m.def_hash:
-        baseline = count_start_failures(view.allocs, view.healthy_starts).newest_start_ns
-        state = cleared(state, max(baseline, failures_after(state)))
+    conflict = job_conflict(view.job, m)
+    if conflict:
+        return _conflicted(view, state.model_copy(update={"job_conflict": conflict}))
+    state = counted_definition(view, state.model_copy(update={"job_conflict": ""}))
 
-    failures = count_start_failures(view.allocs, view.healthy_starts, failures_after(state))
+    failures = count_start_failures(view.allocs, view.healthy_starts, ledger_of(state))
     if not state.parked:
         error = state.last_error
         if failures.consecutive == 0:
             error = ""
         elif failures.consecutive != state.consecutive_failures and failures.last_failed is not None:
             error = failures.last_failed.error
-        state = state.model_copy(update={"consecutive_failures": failures.consecutive, "last_error": error})
+        state = with_ledger(state, failures.ledger).model_copy(
+            update={"consecutive_failures": failures.consecutive, "last_error": error}
+        )
 
     park_now = not state.parked and failures.consecutive >= max_start_failures
     if park_now:
@@ -283,10 +344,24 @@ def reconcile(view: ModelView, max_start_failures: int = DEFAULT_MAX_START_FAILU
     return Decision(m.name, desired, view.ready, starting, state, health, output, tuple(actions))
 
 
+def _conflicted(view: ModelView, state: ModelState) -> Decision:
+    """Someone else's job holds the model's job ID: nothing is registered, scaled or counted
+    (its allocations are not this model's starts); the model shows why, critical."""
+    m = view.model
+    desired = 0 if state.parked else desired_replicas(view, 0)
+    actions: tuple[Action, ...] = ()
+    if view.state_problem or not _same(state, view.state or ModelState()):
+        actions = (WriteState(m.name, state, view.state_index),)
+    health, output = model_health(m.name, state, desired, view.ready, 0)
+    return Decision(m.name, desired, view.ready, 0, state, health, output, actions)
+
+
 def model_health(
     model: str, state: ModelState, desired: int, ready: int, starting: int
 ) -> tuple[HealthStatus, str]:
     """The status and text of the model's entry in the Consul UI: why, in one line."""
+    if state.job_conflict:
+        return "critical", state.job_conflict
     if state.parked:
         return "critical", (
             f"parked after {state.consecutive_failures} consecutive start failures: "

@@ -38,6 +38,10 @@ MODEL_NAME_RULE = (
 )
 # Nomad's own rule for node pool names (`structs.validNodePoolName`).
 NODE_POOL_RE = re.compile(r"^[a-zA-Z0-9-_]{1,128}$")
+# llmgw's own Nomad jobs (jobs/*.nomad.hcl) are `llmgw-<name>` too; a model with one of these
+# names would replace the router, the watcher or the node agents. Nomad compares job IDs without
+# regard to case, so neither may differ only in case.
+RESERVED_MODEL_NAMES = ("router", "watcher", "node-agent")
 # Versions end up in a path on the node, a Docker image tag and a comma-separated node meta list.
 ENGINE_VERSION_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 SOURCE_SCHEMES = ("hf", "https", "s3", "file")
@@ -499,6 +503,11 @@ def _parse_models(
         before = len(problems)
         if not isinstance(key, str) or not MODEL_NAME_RE.fullmatch(name):
             problems.append(f"{path}: invalid model name {name!r}: {MODEL_NAME_RULE}")
+        elif name.lower() in RESERVED_MODEL_NAMES:
+            problems.append(
+                f"{path}: model name {name!r} is taken: its Nomad job would be {job_id_for(name)}, "
+                f"llmgw's own {name.lower()} job; choose another name"
+            )
         if not isinstance(body, dict):
             problems.append(f"{path}: expected a mapping, got {_describe(body)}")
             continue

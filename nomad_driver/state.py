@@ -74,6 +74,24 @@ class ModelState(BaseModel):
     placement_eval: str = ""
     last_action_error: ActionError | None = None
     updated_at: float = 0.0
+    # The count's ledger (`parking.Ledger`): what keeps it true after Nomad forgets task events
+    # (ten per task) and whole allocations (garbage collection), and across watchers.
+    # Starts at or before this Nomad time (UnixNano) never count: the newest healthy start,
+    # the last retry, or when the current definition reached Nomad.
+    failures_after_ns: int = 0
+    # The newest start already counted, by its allocation and its `Started` time; with
+    # `counted_failures`, the failures up to and including it (0 and "": none yet).
+    counted_through_alloc: str = ""
+    counted_through_ns: int = 0
+    counted_failures: int = Field(default=0, ge=0)
+    # The definition hash the count belongs to, and the first Nomad job version that ran it:
+    # allocations of older versions ran an older definition and never count (-1: the new
+    # definition is not in Nomad yet).
+    count_def_hash: str = ""
+    count_job_version: int = 0
+    # Set when the Nomad job `llmgw-<model>` was not rendered by llmgw for this model (its meta
+    # `llmgw_model` is missing or names another): the watcher leaves that job alone.
+    job_conflict: str = ""
 
     def to_kv(self) -> bytes:
         return self.model_dump_json().encode()

@@ -212,8 +212,12 @@ class Watcher:
         self.decisions: dict[str, Decision] = {}
         self.views: dict[str, ModelView] = {}
         self.passes = 0
-        self._healthy_starts: set[tuple[str, int]] = set()
         self._scaled_at: dict[str, tuple[int, float]] = {}
+        # When each running start first appeared in Nomad's allocations (monotonic; -inf for
+        # those already there at this watcher's first look), and which allocations snapshot
+        # that was read from: a passing check vouches only for a start Consul answered about.
+        self._start_seen: dict[parking.StartId, float] = {}
+        self._starts_from = -1.0
         # States this watcher wrote that the KV snapshot may not show yet: (ModifyIndex, state).
         self._written: dict[str, tuple[int, ModelState]] = {}
         self._malformed_reported: set[tuple[str, int]] = set()
@@ -346,7 +350,12 @@ class Watcher:
         for e in self.evals.snapshot.data if self.evals.snapshot else ():
             evals_by_job.setdefault(str(e.get("JobID")), []).append(e)
 
+        self._note_starts()
+        engines_at = self.engines.snapshot.taken_at if self.engines.snapshot else 0.0
         ready: dict[str, int] = {}
+        # The starts passing their check now: a fact of these snapshots, not a memory. Which
+        # start was ever healthy outlives it only through the model's stored count (baseline).
+        passing: set[parking.StartId] = set()
         for entry in self.engines.snapshot.data if self.engines.snapshot else ():
             if not _passing(entry):
                 continue
@@ -357,11 +366,11 @@ class Watcher:
             alloc = allocs_by_id.get(found.group(0)) if found else None
             if alloc is not None:
                 start = parking.current_start(alloc)
-                if start is not None:
-                    self._healthy_starts.add(start)
-        # Forget starts of allocations Nomad no longer reports.
-        self._healthy_starts = {s for s in self._healthy_starts if s[0] in allocs_by_id}
-        healthy = frozenset(self._healthy_starts)
+                # Consul's answer may predate Nomad's: an engine restarted in place has a new
+                # start while Consul still shows the old one's passing check.
+                if start is not None and self._start_seen.get(start, engines_at) < engines_at:
+                    passing.add(start)
+        healthy = frozenset(passing)
 
         in_flight, busy, grace = self._in_flight(kv, now)
         views: dict[str, ModelView] = {}
@@ -434,6 +443,19 @@ class Watcher:
                 requests[model] = requests.get(model, 0) + n
                 replicas.setdefault(model, set()).update(router.replicas.get(model, ()))
         return requests, replicas, grace
+
+    def _note_starts(self) -> None:
+        """Remember when each running start first showed in Nomad's allocations."""
+        snap = self.allocs.snapshot
+        if snap is None or snap.taken_at == self._starts_from:
+            return
+        first = self._starts_from < 0
+        seen: dict[parking.StartId, float] = {}
+        for alloc in snap.data:
+            start = parking.current_start(alloc)
+            if start is not None:
+                seen[start] = self._start_seen.get(start, float("-inf") if first else snap.taken_at)
+        self._start_seen, self._starts_from = seen, snap.taken_at
 
     def ready_to_act(self) -> bool:
         """Act only on a complete picture: a watcher that has not yet read Nomad's allocations

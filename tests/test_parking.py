@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from nomad_driver.parking import count_start_failures, last_error, telling_line
+from nomad_driver.parking import Ledger, count_start_failures, last_error, telling_line
 
 KEV_STDERR = """\
 llama_model_loader: loaded meta data with 12 key-value pairs and 21 tensors from /tmp/kev.gguf
@@ -55,7 +55,7 @@ def test_a_healthy_start_resets_the_count() -> None:
     a = alloc("a", *crash(10))
     b = alloc("b", ev("Started", 20), ev("Terminated", 90), status="failed")  # was healthy, then died
     c = alloc("c", *crash(100))
-    assert count_start_failures([a, b, c], frozenset({("b", 1)})).consecutive == 1
+    assert count_start_failures([a, b, c], frozenset({(20, "b")})).consecutive == 1
     assert count_start_failures([a, b, c], frozenset()).consecutive == 3
 
 
@@ -63,7 +63,7 @@ def test_a_running_replica_that_turned_healthy_resets_and_one_still_loading_does
     a = alloc("a", *crash(10), *crash(20))
     running = alloc("r", ev("Started", 30), status="running")
     assert count_start_failures([a, running], frozenset()).consecutive == 2
-    assert count_start_failures([a, running], frozenset({("r", 1)})).consecutive == 0
+    assert count_start_failures([a, running], frozenset({(30, "r")})).consecutive == 0
 
 
 def test_a_stop_we_asked_for_is_not_a_failure() -> None:
@@ -76,7 +76,7 @@ def test_a_stop_we_asked_for_is_not_a_failure() -> None:
 def test_failures_at_or_before_the_baseline_are_forgiven() -> None:
     a = alloc("a", *crash(10), *crash(20))
     b = alloc("b", *crash(30))
-    count = count_start_failures([a, b], frozenset(), after_ns=20)
+    count = count_start_failures([a, b], frozenset(), Ledger(after_ns=20))
     assert count.consecutive == 1
     assert count_start_failures([a, b], frozenset()).newest_start_ns == 30
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from nomad_driver.reconcile import (
@@ -101,7 +102,12 @@ def test_a_raised_replica_maximum_is_registered_again_without_unparking() -> Non
 
 
 def test_satisfied_model_needs_nothing_and_reads_passing() -> None:
-    d = reconcile(view(allocs=(running("a", 5),), ready=1, healthy_starts=frozenset({("a", 1)})))
+    v = view(allocs=(running("a", 5),), ready=1, healthy_starts=frozenset({(5, "a")}))
+    # The healthy start is written down once, as the count's baseline; then nothing is needed.
+    first = reconcile(v)
+    assert [type(a) for a in first.actions] == [WriteState]
+    assert first.state.failures_after_ns == 5
+    d = reconcile(dataclasses.replace(v, state=first.state, state_index=3))
     assert d.actions == ()
     assert (d.health, d.ready, d.starting) == ("passing", 1, 0)
 
@@ -134,7 +140,14 @@ def test_max_start_failures_is_configurable() -> None:
 
 
 def parked_state(def_hash: str = KEV.def_hash) -> ModelState:
-    return ModelState(parked=True, consecutive_failures=5, last_error="boom", parked_def_hash=def_hash)
+    return ModelState(
+        parked=True,
+        consecutive_failures=5,
+        last_error="boom",
+        parked_def_hash=def_hash,
+        count_def_hash=def_hash,
+        counted_failures=5,
+    )
 
 
 def test_a_parked_model_stays_at_zero_even_if_scaled_up() -> None:
@@ -223,3 +236,56 @@ def test_malformed_state_is_replaced() -> None:
 def test_reconcile_twice_asks_for_the_same_steps() -> None:
     v = view(allocs=tuple(crashed(f"a{i}", 10 + i * 10) for i in range(2)))
     assert reconcile(v).actions == reconcile(v).actions
+
+
+def test_a_job_llmgw_did_not_render_for_the_model_is_left_alone_and_shown() -> None:
+    """Someone else's `llmgw-kev` (no llmgw_model in its meta, or another model's): never
+    registered over, scaled or counted, and the model says why."""
+    theirs = job(KEV, 1, def_hash="x")
+    theirs["Meta"] = {"owner": "team-b"}
+    allocs = tuple(crashed(f"a{i}", 10 + i * 10) for i in range(6))
+    d = reconcile(view(job=theirs, allocs=allocs, state_index=4))
+    assert [type(a) for a in d.actions] == [WriteState]
+    assert "Nomad job llmgw-kev was not registered by llmgw for model kev" in d.state.job_conflict
+    assert "its meta has no llmgw_model" in d.state.job_conflict
+    assert d.state.consecutive_failures == 0 and not d.state.parked
+    assert d.health == "critical" and d.health_output == d.state.job_conflict
+    other = job(KEV, 1)
+    other["Meta"]["llmgw_model"] = "lazy"
+    d = reconcile(view(job=other, allocs=allocs))
+    assert "its meta names model 'lazy'" in d.state.job_conflict
+    assert not any(isinstance(a, RegisterJob | Scale | Park) for a in d.actions)
+    # Once that job is gone, the model is llmgw's again: registered, the condition cleared.
+    d = reconcile(view(job=None, state=d.state))
+    assert RegisterJob("kev", 1) in d.actions and d.state.job_conflict == ""
+
+
+def test_a_new_definition_starts_its_own_count_even_unparked() -> None:
+    """Four failures, the source is fixed, one more failure of the old job: not five."""
+    old = dataclasses.replace(KEV, def_hash="old")
+    allocs = tuple(dict(crashed(f"a{i}", 10 + i * 10), JobVersion=0) for i in range(4))
+    d = reconcile(view(old, job=dict(job(old, 1), Version=0), allocs=allocs))
+    assert d.state.consecutive_failures == 4 and d.state.count_def_hash == "old"
+    # The new definition is not in Nomad yet: the old job's next failure does not count.
+    more = (*allocs, dict(crashed("a4", 50), JobVersion=0))
+    d = reconcile(view(job=dict(job(old, 1), Version=0), allocs=more, state=d.state))
+    assert d.state.consecutive_failures == 0 and d.state.count_def_hash == KEV.def_hash
+    assert d.state.count_job_version == -1
+    assert RegisterJob("kev", 1) in d.actions
+    # Registered as version 3; a late failure of an old allocation still does not count, the
+    # new definition's own failures do.
+    new_job = dict(job(KEV, 1), Version=3)
+    later = (*more, dict(crashed("a5", 60), JobVersion=1), dict(crashed("b0", 70), JobVersion=3))
+    d = reconcile(view(job=new_job, allocs=later, state=d.state))
+    assert d.state.count_job_version == 3
+    assert d.state.consecutive_failures == 1 and not d.state.parked
+
+
+def test_the_count_survives_nomad_forgetting_the_allocations_it_was_made_of() -> None:
+    allocs = tuple(crashed(f"a{i}", 10 + i * 10) for i in range(3))
+    d = reconcile(view(allocs=allocs))
+    assert d.state.consecutive_failures == 3 and d.state.counted_failures == 3
+    # All three garbage-collected; two more fail: five, parked.
+    d = reconcile(view(allocs=(crashed("b0", 100), crashed("b1", 110)), state=d.state, state_index=9))
+    park = [a for a in d.actions if isinstance(a, Park)]
+    assert park and park[0].failures == 5 and park[0].alloc_id == "b1"

@@ -10,6 +10,7 @@ import pytest
 from nomad_driver.spec import (
     DEFAULT_ACTIVATION_TIMEOUT_S,
     DEFAULT_IDLE_TIMEOUT_S,
+    RESERVED_MODEL_NAMES,
     Profile,
     SpecError,
     definition_hash,
@@ -219,6 +220,23 @@ def test_names_that_cannot_be_a_job_id_or_consul_tag_are_refused(name: str) -> N
 def test_names_in_the_safe_alphabet_are_accepted(name: str) -> None:
     model = parse_models(doc(f'"{name}": {{source: hf://o/r/f.gguf, profile: cpu-dev}}')).models[name]
     assert model.job_id == f"llmgw-{name}"
+
+
+@pytest.mark.parametrize("name", ["router", "watcher", "node-agent", "Router", "NODE-AGENT"])
+def test_names_of_llmgws_own_jobs_are_refused(name: str) -> None:
+    """`llmgw-router` is the router's own Nomad job; a model by that name would replace it."""
+    problems = problems_of(doc(f'"{name}": {{source: hf://o/r/f.gguf, profile: cpu-dev}}'))
+    assert problems == [
+        f"models.{name}: model name {name!r} is taken: its Nomad job would be llmgw-{name}, "
+        f"llmgw's own {name.lower()} job; choose another name"
+    ]
+
+
+def test_every_job_llmgw_ships_is_a_refused_model_name() -> None:
+    shipped = {
+        p.name.removesuffix(".nomad.hcl").removeprefix("llmgw-") for p in (ROOT / "jobs").glob("*.nomad.hcl")
+    }
+    assert shipped and shipped <= set(RESERVED_MODEL_NAMES)
 
 
 def test_a_model_name_that_yaml_reads_as_a_number_is_refused() -> None:

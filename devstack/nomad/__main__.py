@@ -15,11 +15,20 @@ from pathlib import Path
 from aiohttp import web
 
 from devstack.nomad.clock import Clock
+from devstack.nomad.gc import GCConfig
 from devstack.nomad.http import make_app
 from devstack.nomad.nodes import NodeSpecError, load_nodes
 from devstack.nomad.server import NomadServer
 from devstack.nomad.streams import EVENT_HEARTBEAT_S
 from nomad_driver.logs import configure_logging
+from nomad_driver.spec import parse_duration
+
+
+def _duration(text: str) -> float:
+    try:
+        return parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected a duration like 90s, 5m or 1h, got {text!r}") from exc
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
@@ -36,6 +45,19 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--event-heartbeat", type=float, default=EVENT_HEARTBEAT_S, help="seconds between {} frames"
     )
+    # Nomad's server GC settings (`server` block), in the stand-in's clock; `PUT /v1/system/gc`
+    # collects at once whatever the rules allow.
+    defaults = GCConfig()
+    for flag, default, meaning in (
+        ("--gc-interval", defaults.interval_s, "how often the garbage collector runs"),
+        ("--eval-gc-threshold", defaults.eval_threshold_s, "age before terminal evaluations go"),
+        ("--batch-eval-gc-threshold", defaults.batch_eval_threshold_s, "the same for batch jobs"),
+        ("--job-gc-threshold", defaults.job_threshold_s, "age before dead, stopped jobs go"),
+        ("--node-gc-threshold", defaults.node_threshold_s, "age before down nodes go"),
+    ):
+        parser.add_argument(
+            flag, type=_duration, default=default, help=f"{meaning} (e.g. 1h; default {default:g}s)"
+        )
     parser.add_argument("--log-level", default="INFO")
     return parser.parse_args(argv)
 
@@ -43,7 +65,14 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
 async def _serve(args: argparse.Namespace, data_dir: Path) -> None:
     host, _, port_text = args.listen.rpartition(":")
     nodes = load_nodes(args.nodes)
-    server = NomadServer(nodes, args.consul, data_dir, Clock(args.clock_speed))
+    gc = GCConfig(
+        interval_s=args.gc_interval,
+        eval_threshold_s=args.eval_gc_threshold,
+        batch_eval_threshold_s=args.batch_eval_gc_threshold,
+        job_threshold_s=args.job_gc_threshold,
+        node_threshold_s=args.node_gc_threshold,
+    )
+    server = NomadServer(nodes, args.consul, data_dir, Clock(args.clock_speed), gc)
     await server.start()
     app = make_app(server, args.listen, event_heartbeat_s=args.event_heartbeat)
     # Open log-follow and event streams must not hold the exit up for aiohttp's default minute.

@@ -385,6 +385,13 @@ async def validate_job(request: web.Request) -> web.StreamResponse:
     return json_response(server.validate(await read_body(request)), request)
 
 
+async def system_gc(request: web.Request) -> web.StreamResponse:
+    """`PUT /v1/system/gc` (`nomad system gc`): Nomad answers 200 with a null body."""
+    only(request, "PUT", "POST")
+    request.app[SERVER_KEY].force_gc()
+    return json_response(None, request)
+
+
 async def status_leader(request: web.Request) -> web.StreamResponse:
     return json_response(request.app[RPC_ADDR_KEY], request)
 
@@ -439,6 +446,7 @@ def make_app(
     route("*", "/v1/nodes", nodes)
     route("*", "/v1/node/{rest:.+}", node)
     route("*", "/v1/validate/job", validate_job)
+    route("*", "/v1/system/gc", system_gc)
     route("GET", "/v1/status/leader", status_leader)
     route("GET", "/v1/status/peers", status_peers)
     route("GET", "/v1/agent/self", agent_self)

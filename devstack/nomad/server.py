@@ -20,6 +20,7 @@ from devstack.nomad.clock import Clock
 from devstack.nomad.encode import duration_ns, rfc3339
 from devstack.nomad.events import EventBroker
 from devstack.nomad.feasible import glob_match
+from devstack.nomad.gc import Collected, GarbageCollector, GCConfig
 from devstack.nomad.jobspec import JobspecError, parse_jobspec, parse_variables_file
 from devstack.nomad.nodes import NodeSpecError, computed_class, node_from_spec
 from devstack.nomad.reconcile import TERMINAL_CLIENT, new_eval
@@ -69,10 +70,12 @@ class NomadServer:
         consul_url: str | None,
         data_dir: Path,
         clock: Clock | None = None,
+        gc: GCConfig | None = None,
     ) -> None:
         self.clock = clock or Clock()
         self.store = StateStore()
         self.scheduler = Scheduler(self.store, self.clock)
+        self.gc = GarbageCollector(self.store, self.clock, gc)
         self.events = EventBroker(self.store)
         self.data_dir = data_dir
         self.consul_url = consul_url
@@ -98,9 +101,11 @@ class NomadServer:
         )
         self.scheduler.client = self.client
         self.scheduler.start()
+        self.gc.start()
 
     async def stop(self) -> None:
         """Stop scheduling, then every allocation's processes, then the event stream."""
+        await self.gc.stop()
         await self.scheduler.stop()
         if self.client is not None:
             await self.client.shutdown()
@@ -232,6 +237,10 @@ class NomadServer:
             "VolumeEvalIndex": 0,
             **write_meta(self.store.index),
         }
+
+    def force_gc(self) -> Collected:
+        """`PUT /v1/system/gc`: collect everything the GC rules allow, whatever its age."""
+        return self.gc.collect(forced=True)
 
     def scale(self, ns: str, job_id: str, body: Any) -> Json:
         if not isinstance(body, dict):

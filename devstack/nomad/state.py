@@ -240,6 +240,24 @@ class StateStore:
         payload = {"Allocation": {k: v for k, v in alloc.items() if k != "Job"}}
         return self._touch("allocs", ("Allocation", event_type, alloc["ID"], alloc["Namespace"], payload))
 
+    def delete_evals_allocs(self, eval_ids: Iterable[str], alloc_ids: Iterable[str]) -> int:
+        """Forget evaluations and allocations (`DeleteEval`, what the garbage collector reaps)."""
+        for eval_id in eval_ids:
+            evaluation = self.evals.pop(eval_id, None)
+            if evaluation is not None:
+                self._evals_by_job.get((evaluation["Namespace"], evaluation["JobID"]), {}).pop(eval_id, None)
+                self._touch("evals")
+        for alloc_id in alloc_ids:
+            alloc = self.allocs.pop(alloc_id, None)
+            if alloc is None:
+                continue
+            self._allocs_by_job.get((alloc["Namespace"], alloc["JobID"]), {}).pop(alloc_id, None)
+            self._allocs_by_node.get(alloc["NodeID"], {}).pop(alloc_id, None)
+            if self.live_allocs.pop(alloc_id, None) is not None:
+                forget_footprint(alloc_id)
+            self._touch("allocs")
+        return self.index
+
     def allocs_for_job(self, namespace: str, job_id: str) -> list[Json]:
         return list(self._allocs_by_job.get((namespace, job_id), {}).values())
 
