@@ -14,8 +14,8 @@ from pathlib import Path
 
 from nomad_driver.consul import Consul
 from nomad_driver.nomad import Nomad
-from nomad_driver.reconcile import job_group, job_is_current
-from nomad_driver.render import render_job
+from nomad_driver.plan import job_to_register
+from nomad_driver.reconcile import job_is_current
 from nomad_driver.spec import ModelSet, parse_models
 from nomad_driver.state import CONFIG_MODELS_KEY
 
@@ -51,20 +51,20 @@ def register_jobs(nomad: Nomad, models: ModelSet) -> ApplyResult:
         if current is not None and job_is_current(current, model):
             result.unchanged.append(name)
             continue
-        job = render_job(model)
-        if current is not None:
-            # Keep the replicas it has (a router may have scaled it up, parking to 0);
-            # the watcher decides the count, apply only changes what runs.
-            _, count = job_group(current)
-            job["TaskGroups"][0]["Count"] = min(count, model.replicas_max)
-        nomad.register_job(job)
+        # Keeps the replicas it has (a router may have scaled it up, parking to 0); the
+        # watcher decides the count, apply only changes what runs. `llmgw plan` plans this job.
+        nomad.register_job(job_to_register(model, current))
         result.registered.append(name)
     return result
 
 
-def apply_file(path: str | Path, *, consul: Consul | None = None, nomad: Nomad | None = None) -> ApplyResult:
-    """Raises SpecError (bad file), ApplyConflict, ConsulError or NomadError."""
-    text = Path(path).read_text(encoding="utf-8")
+def apply_file(
+    path: str | Path, *, consul: Consul | None = None, nomad: Nomad | None = None, text: str | None = None
+) -> ApplyResult:
+    """Raises SpecError (bad file), ApplyConflict, ConsulError or NomadError. `text`: the file
+    as already read (and planned), so what is applied is what the operator was shown."""
+    if text is None:
+        text = Path(path).read_text(encoding="utf-8")
     models = parse_models(text, str(path))
 
     async def store() -> None:

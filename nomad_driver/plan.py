@@ -13,14 +13,16 @@ stored definitions (`llmgw/config/models`, what watchers and routers use) and th
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+import json
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from pathlib import Path
+from typing import Any, Literal, NoReturn
 
 from nomad_driver.consul import Consul
 from nomad_driver.nomad import JOB_PREFIX, Nomad
 from nomad_driver.placement import summarize_placement
-from nomad_driver.reconcile import job_def_hash, job_group, job_is_current
+from nomad_driver.reconcile import job_def_hash, job_group, job_is_current, job_scaling_max
 from nomad_driver.render import render_job
 from nomad_driver.spec import Model, ModelSet, SpecError, parse_models
 from nomad_driver.state import CONFIG_MODELS_KEY
@@ -80,6 +82,7 @@ class ModelPlan:
 @dataclass
 class FleetPlan:
     models: list[ModelPlan]
+    text: str = ""  # the file as read, so that apply applies exactly what was planned
 
     def count(self, change: Change) -> int:
         return sum(1 for m in self.models if m.change == change)
@@ -100,9 +103,11 @@ class FleetPlan:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "outcome": {EXIT_NOTHING_TO_DO: "nothing to do", EXIT_CHANGES: "changes", EXIT_FITS_NOWHERE: "fits nowhere"}[
-                self.exit_code
-            ],
+            "outcome": {
+                EXIT_NOTHING_TO_DO: "nothing to do",
+                EXIT_CHANGES: "changes",
+                EXIT_FITS_NOWHERE: "fits nowhere",
+            }[self.exit_code],
             "exit_code": self.exit_code,
             "summary": {
                 "added": self.count("added"),
@@ -141,7 +146,10 @@ def stored_definitions(consul: Consul | None = None) -> tuple[ModelSet | None, s
     try:
         return parse_models(text, CONFIG_MODELS_KEY), ""
     except SpecError as exc:
-        return None, f"{CONFIG_MODELS_KEY} is not a valid models file ({exc.problems[0]}); compared with the jobs only"
+        return (
+            None,
+            f"{CONFIG_MODELS_KEY} is not a valid models file ({exc.problems[0]}); compared with the jobs only",
+        )
 
 
 def job_to_register(model: Model, current: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -184,23 +192,33 @@ def _job_field_changes(job: Mapping[str, Any], model: Model) -> list[FieldChange
         out.append(FieldChange("profile", meta.get("llmgw_profile"), model.profile_name))
     if not out and job_def_hash(job) != model.def_hash:
         out.append(FieldChange("definition", job_def_hash(job), model.def_hash))
+    if job_scaling_max(job) != model.replicas_max:
+        out.append(FieldChange("replicas.max", job_scaling_max(job), model.replicas_max))
     return out
+
+
+# What decides whether the job in Nomad is current (`reconcile.job_is_current`).
+_JOB_FIELDS = ("source", "profile", "replicas.max")
 
 
 def classify(model: Model, stored: Model | None, job: Mapping[str, Any] | None) -> ModelPlan:
     """Added, changed (which fields) or unchanged, against the stored definition and the job."""
     plan = ModelPlan(model.name, model.job_id, "unchanged", on_demand=model.replicas_min == 0)
-    if job is None or job.get("Stop"):
+    if job is None:
         plan.change = "added"
         if stored is not None:
-            plan.notes.append("defined in Consul but not running in Nomad: its job is registered again")
+            plan.notes.append("defined in Consul but has no job in Nomad: its job is registered again")
         return plan
+    if job.get("Stop") and job_is_current(job, model):
+        plan.notes.append(
+            "its job is stopped in Nomad and stays stopped (`nomad job run` or a changed definition starts it)"
+        )
     fields = field_changes(stored, model) if stored is not None else []
-    if not job_is_current(job, model):
-        known = {f.field for f in fields}
-        fields += [f for f in _job_field_changes(job, model) if f.field not in known]
-        if not fields:
-            fields.append(FieldChange("replicas.max", None, model.replicas_max))
+    explains_job = any(f.field in _JOB_FIELDS or f.field.startswith("profile.") for f in fields)
+    if not job_is_current(job, model) and not explains_job:
+        # The stored definitions do not say why the job differs (they were edited by hand,
+        # or lost): say what the job's own meta tells.
+        fields += _job_field_changes(job, model)
     if fields:
         plan.change = "changed"
         plan.fields = fields
@@ -237,17 +255,21 @@ def read_plan(answer: Mapping[str, Any], job: Mapping[str, Any], count: int) -> 
         if isinstance(a, Mapping)
     ]
     fits = not (isinstance(failed, Mapping) and failed)
-    reason = "" if fits else summarize_placement(dict(failed), dict(job))  # type: ignore[arg-type]
+    reason = "" if not isinstance(failed, Mapping) or fits else summarize_placement(dict(failed), dict(job))
     return Placement(fits=fits, count=count, reason=reason, preempts=preempts, updates=updates)
 
 
-def candidates(model: Model, nodes: list[Mapping[str, Any]]) -> list[Candidate]:
+def candidates(model: Model, nodes: Sequence[Mapping[str, Any]]) -> list[Candidate]:
     """Ready, eligible nodes with enough healthy GPUs of the memory and model asked for,
     grouped by node class and GPU model. Nomad picks among them; it does not say which."""
     p = model.profile
     counts: dict[tuple[str, str], int] = {}
     for node in nodes:
-        if node.get("Status") != "ready" or node.get("SchedulingEligibility") == "ineligible" or node.get("Drain"):
+        if (
+            node.get("Status") != "ready"
+            or node.get("SchedulingEligibility") == "ineligible"
+            or node.get("Drain")
+        ):
             continue
         node_class = str(node.get("NodeClass") or "")
         if p.gpus == 0:
@@ -256,10 +278,16 @@ def candidates(model: Model, nodes: list[Mapping[str, Any]]) -> list[Candidate]:
         resources = node.get("NodeResources") if isinstance(node.get("NodeResources"), Mapping) else {}
         assert isinstance(resources, Mapping)
         for group in resources.get("Devices") or []:
-            if not isinstance(group, Mapping) or group.get("Type") != "gpu" or group.get("Vendor") != "nvidia":
+            if (
+                not isinstance(group, Mapping)
+                or group.get("Type") != "gpu"
+                or group.get("Vendor") != "nvidia"
+            ):
                 continue
             name = str(group.get("Name") or "")
-            healthy = sum(1 for i in group.get("Instances") or [] if isinstance(i, Mapping) and i.get("Healthy"))
+            healthy = sum(
+                1 for i in group.get("Instances") or [] if isinstance(i, Mapping) and i.get("Healthy")
+            )
             memory = _memory_mib(group)
             if healthy < p.gpus or (p.gpu_memory_mib and memory < p.gpu_memory_mib):
                 continue
@@ -285,9 +313,7 @@ def _memory_mib(group: Mapping[str, Any]) -> int:
 # ----- the whole plan -----------------------------------------------------------------------
 
 
-def plan_models(
-    models: ModelSet, *, consul: Consul | None = None, nomad: Nomad | None = None
-) -> FleetPlan:
+def plan_models(models: ModelSet, *, consul: Consul | None = None, nomad: Nomad | None = None) -> FleetPlan:
     """Raises ConsulError or NomadError when either cannot be read; changes nothing anywhere."""
     nomad = nomad or Nomad()
     stored, note = stored_definitions(consul)
@@ -302,7 +328,7 @@ def plan_models(
         out.append(mp)
         if mp.change == "unchanged":
             continue
-        target = job_to_register(model, job if mp.change == "changed" else None)
+        target = job_to_register(model, job)
         count, on_demand = planned_count(model, target)
         mp.on_demand = on_demand
         target["TaskGroups"][0]["Count"] = count
@@ -326,14 +352,14 @@ def plan_models(
             removed.setdefault(model_name, stored.models[model_name].job_id if stored else "")
     for model_name, job_id in sorted(removed.items()):
         mp = ModelPlan(model_name, job_id, "removed")
-        mp.notes.append(
-            f"apply does not stop its job; run `nomad job stop {job_id}` to stop its replicas"
-        )
+        mp.notes.append(f"apply does not stop its job; run `nomad job stop {job_id}` to stop its replicas")
         out.append(mp)
     return FleetPlan(out)
 
 
-def plan_text(text: str, origin: str, *, consul: Consul | None = None, nomad: Nomad | None = None) -> FleetPlan:
+def plan_text(
+    text: str, origin: str, *, consul: Consul | None = None, nomad: Nomad | None = None
+) -> FleetPlan:
     """Raises SpecError for an invalid file, before anything is read from the cluster."""
     return plan_models(parse_models(text, origin), consul=consul, nomad=nomad)
 
@@ -368,12 +394,16 @@ def render_text(plan: FleetPlan, origin: str) -> str:
                     f"{c.nodes} x {c.node_class or 'no class'}" + (f" ({c.gpu_model})" if c.gpu_model else "")
                     for c in p.candidates
                 )
-                lines.append(f"    fits: {replicas}" + (f"; nodes that can take it: {where}" if where else ""))
+                lines.append(
+                    f"    fits: {replicas}" + (f"; nodes that can take it: {where}" if where else "")
+                )
             else:
                 lines.append(f"    FITS NOWHERE: {replicas}: {p.reason}")
             if m.replaces_replicas:
                 n = p.updates.get("DestructiveUpdate", 0)
-                lines.append(f"    re-places {n} running replica{'s' if n != 1 else ''} (stops each, starts it anew)")
+                lines.append(
+                    f"    re-places {n} running replica{'s' if n != 1 else ''} (stops each, starts it anew)"
+                )
             if p.preempts:
                 lines.append(f"    would preempt: {', '.join(p.preempts)}")
         for note in m.notes:
@@ -389,3 +419,48 @@ def render_text(plan: FleetPlan, origin: str) -> str:
         tail += "; nothing to do"
     lines.append(tail)
     return "\n".join(lines)
+
+
+# ----- the CLI's part (shared by `plan` and `apply`) ----------------------------------------
+
+
+def plan_or_exit(path: Path, *, as_json: bool, verb: str) -> FleetPlan:
+    """Read, validate and plan the file; on failure say why (as JSON too, for CI) and exit 2
+    (invalid file) or 3 (Nomad or Consul unreachable or refusing)."""
+    import typer
+
+    from nomad_driver.consul import ConsulError
+    from nomad_driver.nomad import NomadError
+
+    def fail(code: int, outcome: str, problems: list[str]) -> NoReturn:
+        if as_json:
+            typer.echo(json.dumps({"outcome": outcome, "exit_code": code, "problems": problems}, indent=2))
+        else:
+            for problem in problems:
+                typer.echo(problem, err=True)
+        raise typer.Exit(code)
+
+    try:
+        text = path.read_text(encoding="utf-8")
+        models = parse_models(text, str(path))
+    except OSError as exc:
+        fail(EXIT_INVALID_FILE, "invalid file", [f"{path}: cannot read: {exc.strerror or exc}"])
+    except UnicodeDecodeError:
+        fail(EXIT_INVALID_FILE, "invalid file", [f"{path}: not UTF-8 text"])
+    except SpecError as exc:
+        fail(EXIT_INVALID_FILE, "invalid file", [f"{path}: {p}" for p in exc.problems])
+    try:
+        plan = plan_models(models)
+    except (ConsulError, NomadError) as exc:
+        fail(EXIT_UNREACHABLE, "unreachable", [f"llmgw {verb}: cannot plan: {exc}"])
+    plan.text = text
+    return plan
+
+
+def show_plan(plan: FleetPlan, origin: str, *, as_json: bool) -> None:
+    import typer
+
+    if as_json:
+        typer.echo(json.dumps(plan.to_json(), indent=2))
+    else:
+        typer.echo(render_text(plan, origin))

@@ -87,7 +87,9 @@ async def job_plan(request: web.Request, server: NomadServer, job_id: str, ns: s
     """The HTTP handler, hooked into `http.py`'s `/v1/job/<id>/<suffix>` dispatch."""
     if request.method not in ("PUT", "POST"):
         raise ApiError(405, "Invalid method")
-    return write_response(plan(server, await read_body(request), job_id, request.query.get("namespace")), request)
+    return write_response(
+        plan(server, await read_body(request), job_id, request.query.get("namespace")), request
+    )
 
 
 def plan(server: NomadServer, body: Any, path_id: str | None = None, query_ns: str | None = None) -> Json:
@@ -129,7 +131,12 @@ def plan(server: NomadServer, body: Any, path_id: str | None = None, query_ns: s
         else:
             planned = existing
     else:
-        planned = {**job, "CreateIndex": NEW_JOB_INDEX, "ModifyIndex": NEW_JOB_INDEX, "JobModifyIndex": NEW_JOB_INDEX}
+        planned = {
+            **job,
+            "CreateIndex": NEW_JOB_INDEX,
+            "ModifyIndex": NEW_JOB_INDEX,
+            "JobModifyIndex": NEW_JOB_INDEX,
+        }
 
     evaluation = new_eval(
         planned,
@@ -188,7 +195,9 @@ def _desired_updates(store: StateStore, job: Json, result: Plan) -> dict[str, Js
     failed still counts as a wanted placement, as in Nomad, whose failures are reported apart."""
     out: dict[str, Json] = {}
     stopped = {a["ID"]: a for a in result.stopped}
-    inplace = {a["ID"] for a in result.updated if (a.get("Job") or {}).get("JobModifyIndex") == job["JobModifyIndex"]}
+    inplace = {
+        a["ID"] for a in result.updated if (a.get("Job") or {}).get("JobModifyIndex") == job["JobModifyIndex"]
+    }
     for group in job["TaskGroups"]:
         name = group["Name"]
         counts = dict.fromkeys(DESIRED_UPDATE_FIELDS, 0)
@@ -309,7 +318,12 @@ def _object_diff(name: str, old: Any, new: Any) -> Json | None:
     new_d = new if isinstance(new, dict) else {}
     kind = "Added" if old is None else "Deleted" if new is None else "Edited"
     fields = _field_diffs(_flatten(old_d) | _list_fields(old_d), _flatten(new_d) | _list_fields(new_d), True)
-    return {"Type": kind, "Name": name, "Fields": fields, "Objects": _nested(old_d, new_d, frozenset(), True) or None}
+    return {
+        "Type": kind,
+        "Name": name,
+        "Fields": fields,
+        "Objects": _nested(old_d, new_d, frozenset(), True) or None,
+    }
 
 
 def _list_fields(obj: Json) -> dict[str, str]:
@@ -374,7 +388,13 @@ def job_diff(old: Json | None, new: Json) -> Json:
         any(f["Type"] != "None" for f in fields) or objects or any(g["Type"] != "None" for g in groups)
     ):
         kind = "Edited"
-    return {"Type": kind, "ID": new["ID"], "Fields": fields or None, "Objects": objects or None, "TaskGroups": groups or None}
+    return {
+        "Type": kind,
+        "ID": new["ID"],
+        "Fields": fields or None,
+        "Objects": objects or None,
+        "TaskGroups": groups or None,
+    }
 
 
 def _named_diffs(old: list[Json], new: list[Json], diff: Any) -> list[Json]:

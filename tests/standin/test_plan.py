@@ -65,13 +65,17 @@ def gpu_job(job_id: str, memory_mib: int, count: int = 1) -> dict[str, Any]:
         {
             "Name": "nvidia/gpu",
             "Count": 1,
-            "Constraints": [{"LTarget": "${device.attr.memory}", "Operand": ">=", "RTarget": f"{memory_mib} MiB"}],
+            "Constraints": [
+                {"LTarget": "${device.attr.memory}", "Operand": ">=", "RTarget": f"{memory_mib} MiB"}
+            ],
         }
     ]
     return body
 
 
-def test_plan_of_a_new_job_has_nomads_fields_and_writes_nothing(standin: StandIn, client: nomad.Nomad) -> None:
+def test_plan_of_a_new_job_has_nomads_fields_and_writes_nothing(
+    standin: StandIn, client: nomad.Nomad
+) -> None:
     before = indexes(standin)
     resp = plan(standin, mock_job("fresh", count=2))
     assert resp.status_code == 200, resp.text
@@ -146,7 +150,12 @@ def test_plan_of_a_running_job_counts_its_updates_and_changes_nothing(
     assert group["Updates"] == {"create": 1, "in-place update": 2}
     (count,) = [f for f in group["Fields"] if f["Name"] == "Count"]
     assert set(count) == FIELD_DIFF_FIELDS
-    assert (count["Type"], count["Old"], count["New"], count["Annotations"]) == ("Edited", "2", "3", ["forces create"])
+    assert (count["Type"], count["Old"], count["New"], count["Annotations"]) == (
+        "Edited",
+        "2",
+        "3",
+        ["forces create"],
+    )
 
     changed = mock_job("web", count=2, config={"run_for": "2h"})
     destructive = plan(standin, changed, diff=True).json()
