@@ -391,12 +391,11 @@ def render_text(plan: FleetPlan, origin: str) -> str:
                 replicas = "1 replica when first asked for (on demand)"
             if p.fits:
                 where = ", ".join(
-                    f"{c.nodes} x {c.node_class or 'no class'}" + (f" ({c.gpu_model})" if c.gpu_model else "")
+                    f"{c.nodes} node{'s' if c.nodes != 1 else ''} of class {c.node_class or '(none)'}"
+                    + (f" ({c.gpu_model})" if c.gpu_model else "")
                     for c in p.candidates
                 )
-                lines.append(
-                    f"    fits: {replicas}" + (f"; nodes that can take it: {where}" if where else "")
-                )
+                lines.append(f"    fits: {replicas}" + (f"; Nomad picks among {where}" if where else ""))
             else:
                 lines.append(f"    FITS NOWHERE: {replicas}: {p.reason}")
             if m.replaces_replicas:
