@@ -7,6 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import pty
+import select
+import subprocess
+import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,12 +22,11 @@ import requests
 from typer.testing import CliRunner, Result
 
 from devstack.demo_models import TEMPLATE, effective_models_text
-from nomad_driver import watcher_cli
 from nomad_driver.cli import app
 from nomad_driver.consul import Consul
 from nomad_driver.nomad import Nomad
 from nomad_driver.state import CONFIG_MODELS_KEY
-from tests.fixtures.nomad import StandIn
+from tests.fixtures.nomad import REPO, StandIn
 from tests.watcher_support import read_state, until
 
 pytestmark = pytest.mark.timeout(180)
@@ -229,18 +234,58 @@ def test_exit_codes_for_invalid_files_and_unreachable_clusters(
     assert run("apply", "--auto-approve", str(ok)).exit_code == 3
 
 
+def in_terminal(*args: str, answer: str, timeout: float = 60) -> tuple[int, str]:
+    """`llmgw ARGS` with a pseudo-terminal for stdin and stdout, as an operator runs it: waits
+    for the question, types `answer`, returns the exit code and everything it printed."""
+    main, child = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "nomad_driver.cli", *args],
+        stdin=child,
+        stdout=child,
+        stderr=child,
+        cwd=REPO,
+        close_fds=True,
+    )
+    os.close(child)
+    out = b""
+    answered = False
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([main], [], [], 0.2)
+            if ready:
+                try:
+                    chunk = os.read(main, 4096)
+                except OSError:  # the child closed the terminal: it has exited
+                    break
+                if not chunk:
+                    break
+                out += chunk
+                if not answered and b"? [y/N]" in out:
+                    os.write(main, answer.encode() + b"\n")
+                    answered = True
+            elif proc.poll() is not None:
+                break
+        code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        os.close(main)
+    return code, out.decode(errors="replace").replace("\r\n", "\n")
+
+
 def test_apply_in_a_terminal_asks_and_applies_only_on_yes(
-    cluster: StandIn, demo: Path, consul_url: str, monkeypatch: pytest.MonkeyPatch
+    cluster: StandIn, demo: Path, consul_url: str
 ) -> None:
-    monkeypatch.setattr(watcher_cli, "_has_terminal", lambda: True)
-    declined = run("apply", str(demo), stdin="n\n")
-    assert declined.exit_code == 5 and "phi-4 fits nowhere. Apply anyway?" in declined.output
-    assert "nothing applied" in declined.output
+    code, out = in_terminal("apply", str(demo), answer="n")
+    assert code == 5, out
+    assert "phi-4 fits nowhere. Apply anyway? [y/N]" in out and "nothing applied" in out
     assert requests.get(f"{consul_url}/v1/kv/{CONFIG_MODELS_KEY}", timeout=5).status_code == 404
+    assert Nomad(cluster.url).get_job("llmgw-phi-4") is None
     # Someone read the plan and said yes: the unplaceable model is their call.
-    accepted = run("apply", str(demo), stdin="y\n")
-    assert accepted.exit_code == 0, accepted.output
-    assert "applied 4 models" in accepted.output
+    code, out = in_terminal("apply", str(demo), answer="y")
+    assert code == 0, out
+    assert "applied 4 models: 4 registered" in out
     # --auto-approve does not ask, even in a terminal.
-    again = run("apply", "--auto-approve", str(demo))
-    assert again.exit_code == 0 and "Apply" not in again.output
+    code, out = in_terminal("apply", "--auto-approve", str(demo), answer="y")
+    assert code == 0 and "[y/N]" not in out and "applied 4 models" in out, out
