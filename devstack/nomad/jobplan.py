@@ -151,7 +151,8 @@ def plan(server: NomadServer, body: Any, path_id: str | None = None, query_ns: s
         forget_footprint(alloc["ID"])
 
     annotations = {"DesiredTGUpdates": _desired_updates(store, planned, result), "PreemptedAllocs": None}
-    created = list(result.new_evals)
+    # Never stored, so never indexed: Nomad answers them with 0 indexes.
+    created = [{**e, "CreateIndex": 0, "ModifyIndex": 0} for e in result.new_evals]
     if result.failed_tg and result.block:
         created.append(
             new_eval(
@@ -163,6 +164,8 @@ def plan(server: NomadServer, body: Any, path_id: str | None = None, query_ns: s
                 PreviousEval=evaluation["ID"],
                 FailedTGAllocs=result.failed_tg,
                 QueuedAllocations=dict(result.evaluation.get("QueuedAllocations") or {}),
+                CreateIndex=0,
+                ModifyIndex=0,
             )
         )
     diff = None

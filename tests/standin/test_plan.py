@@ -32,6 +32,14 @@ GROUP_DIFF_FIELDS = {"Type", "Name", "Fields", "Objects", "Tasks", "Updates"}
 TASK_DIFF_FIELDS = {"Type", "Name", "Fields", "Objects", "Annotations"}
 FIELD_DIFF_FIELDS = {"Type", "Name", "Old", "New", "Annotations"}
 OBJECT_DIFF_FIELDS = {"Type", "Name", "Fields", "Objects"}
+# structs.Evaluation (nomad/structs/eval.go)
+EVAL_FIELDS = {
+    "ID", "Namespace", "Priority", "Type", "TriggeredBy", "JobID", "JobModifyIndex", "NodeID",
+    "NodeModifyIndex", "DeploymentID", "Status", "StatusDescription", "Wait", "WaitUntil", "NextEval",
+    "PreviousEval", "BlockedEval", "RelatedEvals", "FailedTGAllocs", "PlanAnnotations", "ClassEligibility",
+    "QuotaLimitReached", "MissingNonNodeResources", "EscapedComputedClass", "AnnotatePlan",
+    "QueuedAllocations", "LeaderACL", "SnapshotIndex", "CreateIndex", "ModifyIndex", "CreateTime", "ModifyTime",
+}  # fmt: skip
 
 
 @pytest.fixture
@@ -108,7 +116,12 @@ def test_plan_of_a_job_that_fits_nowhere_matches_what_registering_it_reports(
     assert set(failed) == METRIC_FIELDS
     assert failed["NodesFiltered"] == 3 and failed["ConstraintFiltered"] == {"missing devices": 3}
     (blocked,) = answer["CreatedEvals"]
+    assert set(blocked) == EVAL_FIELDS
     assert blocked["Status"] == "blocked" and blocked["TriggeredBy"] == "queued-allocs"
+    assert (blocked["CreateIndex"], blocked["ModifyIndex"]) == (0, 0), "never stored"
+    # The blocked evaluation exists only in the answer.
+    resp = requests.get(f"{standin.url}/v1/evaluation/{blocked['ID']}", timeout=10)
+    assert resp.status_code == 404
     assert answer["Annotations"]["DesiredTGUpdates"]["g"]["Place"] == 1
     assert client.evaluations.get_evaluations() == []
 
