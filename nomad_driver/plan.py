@@ -261,7 +261,7 @@ def read_plan(answer: Mapping[str, Any], job: Mapping[str, Any], count: int) -> 
 
 def candidates(model: Model, nodes: Sequence[Mapping[str, Any]]) -> list[Candidate]:
     """Ready, eligible nodes with enough healthy GPUs of the memory and model asked for,
-    grouped by node class and GPU model. Nomad picks among them; it does not say which."""
+    grouped by node class and GPU model. matching GPUs on them; it does not say which."""
     p = model.profile
     counts: dict[tuple[str, str], int] = {}
     for node in nodes:
@@ -395,7 +395,7 @@ def render_text(plan: FleetPlan, origin: str) -> str:
                     + (f" ({c.gpu_model})" if c.gpu_model else "")
                     for c in p.candidates
                 )
-                lines.append(f"    fits: {replicas}" + (f"; Nomad picks among {where}" if where else ""))
+                lines.append(f"    fits: {replicas}" + (f"; matching GPUs on {where}" if where else ""))
             else:
                 lines.append(f"    FITS NOWHERE: {replicas}: {p.reason}")
             if m.replaces_replicas:
