@@ -46,8 +46,8 @@ class FieldChange:
 
 @dataclass
 class Candidate:
-    """Where Nomad may put it: nodes that are ready and have the GPUs asked for. Nomad's plan
-    says whether it fits, not where; these are the nodes it chooses among."""
+    """Where it may go: ready, eligible nodes with the GPUs asked for. Nomad's plan says whether
+    it fits, not where; the rest of the request (engine version, node pool) is Nomad's to check."""
 
     node_class: str
     gpu_model: str
@@ -261,7 +261,8 @@ def read_plan(answer: Mapping[str, Any], job: Mapping[str, Any], count: int) -> 
 
 def candidates(model: Model, nodes: Sequence[Mapping[str, Any]]) -> list[Candidate]:
     """Ready, eligible nodes with enough healthy GPUs of the memory and model asked for,
-    grouped by node class and GPU model. matching GPUs on them; it does not say which."""
+    grouped by node class and GPU model. Node stubs carry no meta, so the engine constraint is
+    left to Nomad, whose plan has already said whether the model fits."""
     p = model.profile
     counts: dict[tuple[str, str], int] = {}
     for node in nodes:
