@@ -104,6 +104,17 @@ def test_plan_of_a_new_job_has_nomads_fields_and_writes_nothing(
     assert client.evaluations.get_evaluations() == []
     assert client.jobs.get_jobs() == []
 
+    # With Diff, a new job is Added throughout, and its task is annotated as Nomad's are.
+    diff = plan(standin, mock_job("fresh", count=2), diff=True).json()["Diff"]
+    assert (diff["Type"], diff["ID"]) == ("Added", "fresh")
+    (group,) = diff["TaskGroups"]
+    assert group["Type"] == "Added" and group["Updates"] == {"create": 2}
+    (count,) = [f for f in group["Fields"] if f["Name"] == "Count"]
+    assert (count["Old"], count["New"], count["Annotations"]) == ("", "2", ["forces create"])
+    (task,) = group["Tasks"]
+    assert task["Type"] == "Added" and task["Annotations"] == ["forces create"]
+    assert indexes(standin) == before
+
 
 def test_plan_of_a_job_that_fits_nowhere_matches_what_registering_it_reports(
     standin: StandIn, client: nomad.Nomad
