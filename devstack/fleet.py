@@ -30,8 +30,27 @@ def install_engines(engines_dir: Path, venv: Path | None = None) -> Path:
     return link
 
 
-def effective_nodes(fleet: Path, engines_dir: Path, out: Path) -> Path:
-    """The fleet file with every node's `llmgw_engines_dir` pointing at `engines_dir`."""
+# The layout the operating guide asks for: GPU nodes in a pool of their own, llmgw's own services
+# on a general node outside it.
+GPU_POOL = "gpu"
+GENERAL_NODE: dict[str, Any] = {
+    "name": "general-0",
+    "datacenter": "dc1",
+    "node_class": "general",
+    "cpu_mhz": 16000,
+    "cpu_cores": 8,
+    "memory_mib": 32768,
+    "disk_mb": 200000,
+    "attributes": {"driver.raw_exec": "1", "driver.exec": "1"},
+    "meta": {"llmgw_fabric": "ethernet"},
+    "gpus": [],
+}
+
+
+def effective_nodes(fleet: Path, engines_dir: Path, out: Path, *, gpu_pool: str = "") -> Path:
+    """The fleet file with every node's `llmgw_engines_dir` pointing at `engines_dir`; with
+    `gpu_pool`, the nodes that have GPUs are moved into that pool and a general node without
+    GPUs is added in `default`."""
     data: Any = yaml.safe_load(fleet.read_text())
     nodes = data.get("nodes") if isinstance(data, dict) else data
     if not isinstance(nodes, list):
@@ -39,6 +58,10 @@ def effective_nodes(fleet: Path, engines_dir: Path, out: Path) -> Path:
     for node in nodes:
         if isinstance(node, dict):
             node.setdefault("meta", {})["llmgw_engines_dir"] = str(engines_dir.resolve())
+            if gpu_pool and node.get("gpus"):
+                node["node_pool"] = gpu_pool
+    if gpu_pool:
+        nodes.append({**GENERAL_NODE, "meta": dict(GENERAL_NODE["meta"])})
     header = f"# Written by 'python -m devstack up' from {fleet}, with the engines dir of this stack.\n"
     out.write_text(header + yaml.safe_dump({"nodes": nodes}, sort_keys=False))
     return out
@@ -49,6 +72,7 @@ def big_gpu_node(engines_dir: Path, name: str = "gpu-h200-0") -> dict[str, Any]:
     return {
         "name": name,
         "datacenter": "dc1",
+        "node_pool": GPU_POOL,
         "node_class": "h200",
         "cpu_mhz": 64000,
         "cpu_cores": 32,

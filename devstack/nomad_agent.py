@@ -96,6 +96,7 @@ consul {{
   address = "{consul}"
 }}
 client {{
+  node_pool = "gpu"
   meta {{
     llmgw_engines_dir             = "{engines_dir.resolve()}"
     llmgw_engine_llama_cpp_python = "{ENGINE_VERSION}"

@@ -135,6 +135,7 @@ def start_as_jobs(
     say: Say,
     logs_hint: str,
     timeout: float = 120.0,
+    node_pool: str = "default",
 ) -> Services:
     watcher_vars = {
         "venv": str(venv),
@@ -142,8 +143,15 @@ def start_as_jobs(
         "consul_addr": consul_url,
         "watcher_count": watchers,
         "max_start_failures": max_start_failures,
+        "node_pool": node_pool,
     }
-    router_vars = {"venv": str(venv), "nomad_addr": nomad_url, "consul_addr": consul_url, "port": router_port}
+    router_vars = {
+        "venv": str(venv),
+        "nomad_addr": nomad_url,
+        "consul_addr": consul_url,
+        "port": router_port,
+        "node_pool": node_pool,
+    }
     for job_id, variables in ((WATCHER_JOB, watcher_vars), (ROUTER_JOB, router_vars)):
         hcl = LOCAL_JOBS / f"{job_id}.nomad.hcl"
         job, parser = parse_job(nomad_url, hcl, variables)

@@ -145,7 +145,8 @@ class Stack:
         _, self.gemma_is_real = demo_models.prepare_weights(self.models_dir, tiny=o.tiny, say=self.say)
         demo_models.write_effective_models(self.models_file, self.models_dir, o.template)
         fleet.install_engines(self.engines_dir)
-        fleet.effective_nodes(o.nodes, self.engines_dir, self.nodes_file)
+        # The demo models name node_pool gpu, as a cluster set up by the operating guide would.
+        fleet.effective_nodes(o.nodes, self.engines_dir, self.nodes_file, gpu_pool=fleet.GPU_POOL)
         self.say(f"models file: {self.models_file} (from {o.template})")
 
         self.say("starting a Consul dev agent ...")
@@ -219,7 +220,9 @@ class Stack:
                 if self.nomad_is_standin
                 else "nomad alloc logs"
             )
-            self.services = services.start_as_jobs(logs_hint=where, **common)
+            # A real `nomad agent -dev` is one node, in the GPU pool: llmgw's own jobs go to `all`.
+            pool = "default" if self.nomad_is_standin else "all"
+            self.services = services.start_as_jobs(logs_hint=where, node_pool=pool, **common)
         self.addr.router = self.services.router_url
         self.addr.watchers = self.services.watcher_urls
         self.addr.admin = self._leader_admin_url()

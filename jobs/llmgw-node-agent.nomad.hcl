@@ -38,6 +38,36 @@ variable "models_dir" {
   default     = "/opt/llmgw/models"
 }
 
+variable "nomad_addr" {
+  type        = string
+  description = "The node's own Nomad client API as seen from the task (https:// where it requires TLS); empty: the agent on the task's node over http."
+  default     = ""
+}
+
+variable "tls_dir" {
+  type        = string
+  description = "Directory on every node holding the CA and client certificates below, mounted read-only at the same path (the default, the system's CA directory, holds none of llmgw's)."
+  default     = "/etc/ssl/certs"
+}
+
+variable "nomad_cacert" {
+  type        = string
+  description = "CA certificate that signed Nomad's HTTPS certificate (a path under tls_dir); empty: the system's CAs."
+  default     = ""
+}
+
+variable "nomad_client_cert" {
+  type        = string
+  description = "Client certificate for Nomad's mutual TLS (a path under tls_dir); empty: none."
+  default     = ""
+}
+
+variable "nomad_client_key" {
+  type        = string
+  description = "Private key of nomad_client_cert (a path under tls_dir)."
+  default     = ""
+}
+
 job "llmgw-node-agent" {
   type        = "system"
   datacenters = var.datacenters
@@ -84,6 +114,7 @@ job "llmgw-node-agent" {
         volumes = [
           "${var.engines_dir}:${var.engines_dir}:ro",
           "${var.models_dir}:${var.models_dir}:ro",
+          "${var.tls_dir}:${var.tls_dir}:ro",
         ]
       }
 
@@ -104,7 +135,10 @@ job "llmgw-node-agent" {
       env {
         NVIDIA_VISIBLE_DEVICES     = "all"
         NVIDIA_DRIVER_CAPABILITIES = "utility"
-        NOMAD_ADDR                 = "http://${attr.unique.network.ip-address}:4646"
+        NOMAD_ADDR                 = coalesce(var.nomad_addr, "http://${attr.unique.network.ip-address}:4646")
+        NOMAD_CACERT               = var.nomad_cacert
+        NOMAD_CLIENT_CERT          = var.nomad_client_cert
+        NOMAD_CLIENT_KEY           = var.nomad_client_key
       }
 
       resources {

@@ -28,13 +28,13 @@ variable "node_pool" {
 
 variable "nomad_addr" {
   type        = string
-  description = "Nomad HTTP API as seen from the task; empty: the Nomad agent on the task's node."
+  description = "Nomad HTTP API as seen from the task (https://... where it requires TLS); empty: the Nomad agent on the task's node over http."
   default     = ""
 }
 
 variable "consul_addr" {
   type        = string
-  description = "Consul HTTP API as seen from the task; empty: the Consul agent on the task's node."
+  description = "Consul HTTP API as seen from the task (https://... where it requires TLS); empty: the Consul agent on the task's node over http."
   default     = ""
 }
 
@@ -42,6 +42,54 @@ variable "max_start_failures" {
   type        = number
   description = "Consecutive start failures after which a model is parked."
   default     = 5
+}
+
+variable "models_namespace" {
+  type        = string
+  description = "Nomad namespace of the model jobs (NOMAD_NAMESPACE for llmgw): where the watcher registers and the routers scale them."
+  default     = "default"
+}
+
+variable "tls_dir" {
+  type        = string
+  description = "Directory on every node holding the CA and client certificates below, mounted read-only at the same path (the default, the system's CA directory, holds none of llmgw's)."
+  default     = "/etc/ssl/certs"
+}
+
+variable "nomad_cacert" {
+  type        = string
+  description = "CA certificate that signed Nomad's HTTPS certificate (a path under tls_dir); empty: the system's CAs."
+  default     = ""
+}
+
+variable "nomad_client_cert" {
+  type        = string
+  description = "Client certificate for Nomad's mutual TLS (a path under tls_dir); empty: none."
+  default     = ""
+}
+
+variable "nomad_client_key" {
+  type        = string
+  description = "Private key of nomad_client_cert (a path under tls_dir)."
+  default     = ""
+}
+
+variable "consul_cacert" {
+  type        = string
+  description = "CA certificate that signed Consul's HTTPS certificate (a path under tls_dir); empty: the system's CAs."
+  default     = ""
+}
+
+variable "consul_client_cert" {
+  type        = string
+  description = "Client certificate for Consul's mutual TLS (a path under tls_dir); empty: none."
+  default     = ""
+}
+
+variable "consul_client_key" {
+  type        = string
+  description = "Private key of consul_client_cert (a path under tls_dir)."
+  default     = ""
 }
 
 job "llmgw-watcher" {
@@ -95,6 +143,8 @@ job "llmgw-watcher" {
         image = "${var.image}:${var.llmgw_version}"
         args  = ["watcher", "--listen", "0.0.0.0:4700", "--max-start-failures", "${var.max_start_failures}"]
         ports = ["admin"]
+        # The CA and client certificates for Nomad and Consul, when their APIs require TLS.
+        volumes = ["${var.tls_dir}:${var.tls_dir}:ro"]
       }
 
       # Tokens never appear in the jobspec: they live in a Nomad Variable that only this job's
@@ -115,6 +165,16 @@ job "llmgw-watcher" {
       env {
         NOMAD_ADDR       = coalesce(var.nomad_addr, "http://${attr.unique.network.ip-address}:4646")
         CONSUL_HTTP_ADDR = coalesce(var.consul_addr, "${attr.unique.network.ip-address}:8500")
+        # The leader's address as others reach it (the host's port, not the container's
+        # 0.0.0.0:4700), so a follower can send `llmgw ctl retry` on to it.
+        LLMGW_ADMIN_ADVERTISE = "${NOMAD_ADDR_admin}"
+        NOMAD_NAMESPACE   = var.models_namespace
+        NOMAD_CACERT      = var.nomad_cacert
+        NOMAD_CLIENT_CERT = var.nomad_client_cert
+        NOMAD_CLIENT_KEY  = var.nomad_client_key
+        CONSUL_CACERT      = var.consul_cacert
+        CONSUL_CLIENT_CERT = var.consul_client_cert
+        CONSUL_CLIENT_KEY  = var.consul_client_key
       }
 
       resources {

@@ -17,8 +17,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-Component = Literal["watcher", "router", "node-agent"]
-COMPONENTS: tuple[Component, ...] = ("watcher", "router", "node-agent")
+# "operator" is the person running `llmgw plan` and `llmgw apply` with their own tokens; the module ships a
+# policy for it to attach to those tokens, and creates no token for it.
+Component = Literal["watcher", "router", "node-agent", "operator"]
+COMPONENTS: tuple[Component, ...] = ("watcher", "router", "node-agent", "operator")
 
 # Consul: `list` grants read and list, `write` grants all three; `read` does not grant list, and
 # a recursive read needs list wherever the agent sets acl.enable_key_list_policy (with `read` it
@@ -243,6 +245,57 @@ CALLS: dict[Component, tuple[Call, ...]] = {
             "POST", "/v1/client/metadata", "publish GPUs, engines and weights", NomadGrant("node", "write")
         ),
     ),
+    "operator": (
+        # `llmgw apply` (nomad_driver/apply.py): the definitions with check-and-set, then each job
+        # read (to keep its count and skip an unchanged one) before it is registered.
+        _consul(
+            "GET",
+            "/v1/kv/llmgw/config/models",
+            "the stored definitions and their index",
+            _key("llmgw/config/models", "read"),
+        ),
+        _consul(
+            "PUT",
+            "/v1/kv/llmgw/config/models?cas=<index>",
+            "store the definitions",
+            _key("llmgw/config/models", "write"),
+        ),
+        _nomad("GET", "/v1/job/<job>", "is the running job current; its replica count", _ns("read-job")),
+        _nomad("POST", "/v1/job/<job>", "register a new or changed model job", _ns("submit-job")),
+        # `llmgw plan` (nomad_driver/plan.py), which `apply` runs first: the running model jobs
+        # (removed models), Nomad's plan of each changed one, the nodes' GPUs where it fits.
+        _nomad(
+            "GET", "/v1/jobs?prefix=llmgw-&meta=true", "model jobs no longer in the file", _ns("list-jobs")
+        ),
+        _nomad(
+            "POST", "/v1/job/<job>/plan", "would it fit, and what would change", _ns("submit-job", "plan-job")
+        ),
+        _nomad(
+            "GET",
+            "/v1/nodes?resources=true",
+            "the GPUs a model that fits can land on",
+            NomadGrant("node", "read"),
+        ),
+    ),
+}
+
+# Every verb of the `llmgw` CLI and whose grants it runs with: a component's (the table above),
+# or none of Nomad's and Consul's at all. `ctl` talks only to a watcher's admin API: reads need
+# no token, `retry` needs LLMGW_ADMIN_TOKEN where the watchers set one.
+ADMIN_API = "the admin API only; no Nomad or Consul token"
+CLI_VERBS: dict[str, Component | str] = {
+    "render": "nothing: reads the models file, writes files",
+    "plan": "operator",
+    "apply": "operator",
+    "watcher": "watcher",
+    "router": "router",
+    "node-agent": "node-agent",
+    "ctl status": ADMIN_API,
+    "ctl models": ADMIN_API,
+    "ctl summary": ADMIN_API,
+    "ctl nodes": ADMIN_API,
+    "ctl replicas": ADMIN_API,
+    "ctl retry": ADMIN_API + "; LLMGW_ADMIN_TOKEN where the watchers set one",
 }
 
 

@@ -282,6 +282,9 @@ def create_app(watcher: Watcher) -> FastAPI:
             return JSONResponse({"error": f"model '{model}' is not defined"}, status_code=404)
         except ConsulError as exc:
             return JSONResponse({"error": f"retry of '{model}' failed: {exc}"}, status_code=503)
-        return JSONResponse({"model": model, "retried": True, "state": state.model_dump()})
+        # Which watcher did it, so `llmgw ctl retry` can say so after following a follower.
+        return JSONResponse(
+            {"model": model, "retried": True, "state": state.model_dump(), "leader": _leader(watcher)}
+        )
 
     return app

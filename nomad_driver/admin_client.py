@@ -33,6 +33,15 @@ class AdminError(Exception):
     """The admin API answered, but not with what was asked for (auth, server error, not JSON)."""
 
 
+class NotLeader(AdminError):
+    """A follower refused a change; it names the leader, or says that none leads right now."""
+
+    def __init__(self, message: str, leader_id: str, leader_addr: str) -> None:
+        super().__init__(message)
+        self.leader_id = leader_id
+        self.leader_addr = leader_addr
+
+
 class AdminClient:
     """A small synchronous client for the admin API; `retry` and the read verbs share it."""
 
@@ -62,6 +71,13 @@ class AdminClient:
             raise AdminUnreachable(self.addr, str(exc) or type(exc).__name__) from exc
         if response.status_code == 404 and model is not None:
             raise UnknownModel(model, self.addr)
+        if response.status_code == 409:
+            leader = _leader_of(response)
+            raise NotLeader(
+                f"the llmgw watcher at {self.addr} does not lead: {_error_message(response)}",
+                leader.get("id", ""),
+                leader.get("address", ""),
+            )
         if response.status_code >= 400:
             hint = "; check LLMGW_ADMIN_TOKEN" if response.status_code in (401, 403) else ""
             raise AdminError(
@@ -112,7 +128,7 @@ class AdminClient:
         return [item for item in data[key] if isinstance(item, dict)]
 
     def retry(self, name: str) -> dict[str, Any]:
-        """Unpark `name` (leader only: a follower's 409 names the leader)."""
+        """Unpark `name` (leader only: a follower's 409 names the leader, as `NotLeader`)."""
         data = self.post(f"/v1/admin/models/{quote(name, safe='')}/retry", model=name)
         return data if isinstance(data, dict) else {}
 
@@ -121,6 +137,53 @@ class AdminClient:
         if not isinstance(data, dict):
             raise AdminError(f"the llmgw admin API at {self.addr} sent a summary that is not an object")
         return data
+
+    def at(self, addr: str) -> AdminClient:
+        """A client for another watcher with the same token and timeout; an address without a
+        scheme (HOST:PORT, as watchers advertise) keeps this client's scheme."""
+        if "://" not in addr:
+            addr = f"{self.addr.split('://', 1)[0]}://{addr}"
+        token = self._http.headers.get("Authorization", "").removeprefix("Bearer ") or None
+        return AdminClient(addr, token, timeout=self._http.timeout.read or 10.0)
+
+
+# A leadership change while following can move the leader once more; past that, something is
+# wrong that following will not fix.
+MAX_LEADER_HOPS = 3
+
+
+def retry_on_leader(client: AdminClient, name: str) -> tuple[dict[str, Any], str]:
+    """Retry `name` on whichever watcher leads, following followers' answers to it. Returns the
+    answer and the address of the watcher that did it. Raises NotLeader when no watcher leads or
+    the leader advertises no address."""
+    current = client
+    try:
+        for _ in range(MAX_LEADER_HOPS):
+            try:
+                return current.retry(name), current.addr
+            except NotLeader as exc:
+                if not exc.leader_addr or current.at(exc.leader_addr).addr == current.addr:
+                    raise
+                if current is not client:
+                    current.close()
+                current = current.at(exc.leader_addr)
+        return current.retry(name), current.addr
+    finally:
+        if current is not client:
+            current.close()
+
+
+def _leader_of(response: httpx.Response) -> dict[str, str]:
+    """The leader a follower's 409 names: its body's `leader`, else the X-Llmgw-Leader header."""
+    try:
+        body = response.json()
+    except ValueError:
+        body = None
+    leader = body.get("leader") if isinstance(body, dict) else None
+    if isinstance(leader, dict):
+        return {k: str(v) for k, v in leader.items() if k in ("id", "address") and v}
+    header = response.headers.get("X-Llmgw-Leader", "")
+    return {"address": header} if header else {}
 
 
 def _error_message(response: httpx.Response) -> str:

@@ -35,17 +35,30 @@ def render(
         JobFormat.hcl, "--format", "-f", help="hcl for `nomad job run`, json for the API."
     ),
     check: bool = typer.Option(False, "--check", help="Only validate the models file; write nothing."),
-    datacenter: list[str] = typer.Option(
-        [], "--datacenter", "-d", help="Datacenter to run in (repeatable; default all)."
+    namespace: str | None = typer.Option(
+        None,
+        "--namespace",
+        envvar="NOMAD_NAMESPACE",
+        help="Nomad namespace to write into the jobs (default: none, so `nomad job run` decides).",
+        show_default=False,
     ),
-    namespace: str = typer.Option(
-        "default", "--namespace", envvar="NOMAD_NAMESPACE", help="Nomad namespace."
-    ),
-    node_pool: str | None = typer.Option(None, "--node-pool", help="Nomad node pool."),
+    # Placement moved into the models file (profiles.NAME.node_pool and .datacenters), where
+    # apply and the watcher read it too; the old flags stay only to say so.
+    datacenter: list[str] = typer.Option([], "--datacenter", "-d", hidden=True),
+    node_pool: str | None = typer.Option(None, "--node-pool", hidden=True),
 ) -> None:
     """Write one Nomad job per model, without a cluster. Exit code 2 when the file is invalid."""
     from nomad_driver.render import render_files
     from nomad_driver.spec import SpecError, load_models
+
+    if datacenter or node_pool:
+        typer.echo(
+            "llmgw render: --datacenter and --node-pool are set in the models file now, so that "
+            "apply and the watcher place models in the same pool: set 'node_pool' and "
+            "'datacenters' on the profile (see docs/models.md)",
+            err=True,
+        )
+        raise typer.Exit(2)
 
     try:
         model_set = load_models(models_file)
@@ -67,13 +80,7 @@ def render(
         raise typer.Exit(2)
 
     # Everything is rendered before anything is written, so a failure leaves DIR as it was.
-    files = render_files(
-        list(model_set.models.values()),
-        fmt.value,
-        datacenters=datacenter or None,
-        namespace=namespace,
-        node_pool=node_pool,
-    )
+    files = render_files(list(model_set.models.values()), fmt.value, namespace=namespace or None)
     try:
         out.mkdir(parents=True, exist_ok=True)
         for name, text in files.items():
@@ -113,10 +120,17 @@ def router_command(
     api_keys_file: Path | None = typer.Option(
         None, "--api-keys-file", help="Bearer tokens, one a line (also LLMGW_API_KEYS, comma-separated)."
     ),
+    # The same variable the certificate-expiry metric reads, so the file served is the file
+    # whose expiry is published.
     tls_cert: Path | None = typer.Option(
-        None, "--tls-cert", help="PEM certificate; serve HTTPS with --tls-key."
+        None,
+        "--tls-cert",
+        envvar="LLMGW_ROUTER_TLS_CERT",
+        help="PEM certificate; serve HTTPS with --tls-key.",
     ),
-    tls_key: Path | None = typer.Option(None, "--tls-key", help="PEM private key for --tls-cert."),
+    tls_key: Path | None = typer.Option(
+        None, "--tls-key", envvar="LLMGW_ROUTER_TLS_KEY", help="PEM private key for --tls-cert."
+    ),
     models_file: Path | None = typer.Option(
         None,
         "--models",

@@ -153,18 +153,6 @@ class Nomad:
         data = self._json(resp, f"register {job['ID']}")
         return data if isinstance(data, dict) else {}
 
-    def plan_job(self, job: dict[str, Any], *, diff: bool = False) -> dict[str, Any]:
-        """Nomad's `JobPlanResponse` for registering `job`: computed in a snapshot and written
-        nowhere, so it can be asked as often as wanted."""
-        body = {"Job": job, "Diff": diff}
-        resp = self._request("job", str(job["ID"]), "plan", method="post", body=body)
-        data = self._json(resp, f"plan {job['ID']}")
-        return data if isinstance(data, dict) else {}
-
-    def nodes(self, *, resources: bool = False) -> list[dict[str, Any]]:
-        _, data = self.blocking_list("nodes", params={"resources": "true"} if resources else None)
-        return data
-
     def scale(self, job_id: str, group: str, count: int, message: str) -> dict[str, Any]:
         """Scale through the scale endpoint, so the reason shows in `nomad job status` and the
         job's scaling events, not only in llmgw's logs."""

@@ -13,6 +13,7 @@ stored definitions (`llmgw/config/models`, what watchers and routers use) and th
 from __future__ import annotations
 
 import asyncio
+import fnmatch
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -237,6 +238,15 @@ def planned_count(model: Model, job: Mapping[str, Any]) -> tuple[int, bool]:
     return (count, False) if count > 0 else (1, True)
 
 
+def nomad_plan(nomad: Nomad, job: dict[str, Any]) -> dict[str, Any]:
+    """Nomad's `JobPlanResponse` for registering `job`, with its diff: computed in a snapshot
+    and written nowhere. Made here rather than in the client, because only the operator's
+    `plan` and `apply` ask it, with the operator's token (nomad_driver/acl.py, "operator")."""
+    resp = nomad._request("job", str(job["ID"]), "plan", method="post", body={"Job": job, "Diff": True})
+    data = nomad._json(resp, f"plan {job['ID']}")
+    return data if isinstance(data, dict) else {}
+
+
 def read_plan(answer: Mapping[str, Any], job: Mapping[str, Any], count: int) -> Placement:
     """Nomad's `JobPlanResponse` as the operator wants it: fits or not, and why not in the same
     words the watcher uses once the model is applied."""
@@ -260,17 +270,24 @@ def read_plan(answer: Mapping[str, Any], job: Mapping[str, Any], count: int) -> 
 
 
 def candidates(model: Model, nodes: Sequence[Mapping[str, Any]]) -> list[Candidate]:
-    """Ready, eligible nodes with enough healthy GPUs of the memory and model asked for,
-    grouped by node class and GPU model. Node stubs carry no meta, so the engine constraint is
+    """Ready, eligible nodes in the profile's node pool and datacenters with enough healthy GPUs
+    of the memory and model asked for, grouped by node class and GPU model. Node stubs carry no meta, so the engine constraint is
     left to Nomad, whose plan has already said whether the model fits."""
     p = model.profile
     counts: dict[tuple[str, str], int] = {}
+    pool = p.node_pool or "default"
+    datacenters = p.datacenters or ["*"]
     for node in nodes:
         if (
             node.get("Status") != "ready"
             or node.get("SchedulingEligibility") == "ineligible"
             or node.get("Drain")
         ):
+            continue
+        # Where the profile places it (Nomad's pool `all` holds every node).
+        if pool != "all" and str(node.get("NodePool") or "default") != pool:
+            continue
+        if not any(fnmatch.fnmatchcase(str(node.get("Datacenter", "")), dc) for dc in datacenters):
             continue
         node_class = str(node.get("NodeClass") or "")
         if p.gpus == 0:
@@ -333,12 +350,12 @@ def plan_models(models: ModelSet, *, consul: Consul | None = None, nomad: Nomad 
         count, on_demand = planned_count(model, target)
         mp.on_demand = on_demand
         target["TaskGroups"][0]["Count"] = count
-        answer = nomad.plan_job(target, diff=True)
+        answer = nomad_plan(nomad, target)
         mp.placement = read_plan(answer, target, count)
         mp.replaces_replicas = mp.placement.updates.get("DestructiveUpdate", 0) > 0
         if mp.placement.fits:
             if nodes is None:
-                nodes = nomad.nodes(resources=True)
+                _, nodes = nomad.blocking_list("nodes", params={"resources": "true"})
             mp.placement.candidates = candidates(model, nodes)
 
     defined = set(models.models)

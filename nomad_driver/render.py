@@ -188,14 +188,13 @@ CHECK_INTERVAL = 5 * SECOND
 CHECK_TIMEOUT = 2 * SECOND
 
 
-def render_job(
-    model: Model,
-    *,
-    datacenters: list[str] | None = None,
-    namespace: str = "default",
-    node_pool: str | None = None,
-) -> dict[str, Any]:
-    """The Job object for Nomad's API (without the `{"Job": ...}` wrapper of a register call)."""
+def render_job(model: Model, *, namespace: str | None = None) -> dict[str, Any]:
+    """The Job object for Nomad's API (without the `{"Job": ...}` wrapper of a register call).
+
+    Node pool and datacenters come from the model's profile, so `render`, `apply` and the
+    watcher place a model alike. The namespace is the cluster's, not the model's: left out
+    unless given, a job lands in the namespace of the call that registers it (`NOMAD_NAMESPACE`,
+    which Nomad also prefers over the job's own field), never silently in `default`."""
     p = model.profile
     weights = weights_for(model.source)
     driver, config, env = _engine_task_config(model, weights)
@@ -263,11 +262,12 @@ def render_job(
         "ID": model.job_id,
         "Name": model.job_id,
         "Type": "service",
-        "Namespace": namespace,
-        "Datacenters": list(datacenters) if datacenters else ["*"],
     }
-    if node_pool:
-        job["NodePool"] = node_pool
+    if namespace:
+        job["Namespace"] = namespace
+    job["Datacenters"] = list(p.datacenters) if p.datacenters else ["*"]
+    if p.node_pool:
+        job["NodePool"] = p.node_pool
     job["Meta"] = {
         "llmgw_model": model.name,
         "llmgw_def_hash": model.def_hash,
@@ -278,15 +278,9 @@ def render_job(
     return job
 
 
-def render_hcl(
-    model: Model,
-    *,
-    datacenters: list[str] | None = None,
-    namespace: str = "default",
-    node_pool: str | None = None,
-) -> str:
+def render_hcl(model: Model, *, namespace: str | None = None) -> str:
     """The same job as `render_job`, as an HCL jobspec for `nomad job run`."""
-    job = render_job(model, datacenters=datacenters, namespace=namespace, node_pool=node_pool)
+    job = render_job(model, namespace=namespace)
     header = (
         f"# Rendered by llmgw from model '{model.name}' (definition {model.def_hash}).\n"
         "# Edit the models file and render again rather than this file.\n"
@@ -298,23 +292,15 @@ def job_filename(model: Model, fmt: str) -> str:
     return f"{model.job_id}.nomad.{fmt}"
 
 
-def render_files(
-    models: list[Model],
-    fmt: str,
-    *,
-    datacenters: list[str] | None = None,
-    namespace: str = "default",
-    node_pool: str | None = None,
-) -> dict[str, str]:
+def render_files(models: list[Model], fmt: str, *, namespace: str | None = None) -> dict[str, str]:
     """File name -> content for each model. JSON files carry the `{"Job": ...}` wrapper, so the
     same file works with `nomad job run -json` and as the body of `PUT /v1/jobs`."""
-    kwargs: dict[str, Any] = {"datacenters": datacenters, "namespace": namespace, "node_pool": node_pool}
     files: dict[str, str] = {}
     for model in models:
         if fmt == "json":
-            text = json.dumps({"Job": render_job(model, **kwargs)}, indent=2) + "\n"
+            text = json.dumps({"Job": render_job(model, namespace=namespace)}, indent=2) + "\n"
         elif fmt == "hcl":
-            text = render_hcl(model, **kwargs)
+            text = render_hcl(model, namespace=namespace)
         else:
             raise ValueError(f"unknown format {fmt!r}: expected hcl or json")
         files[job_filename(model, fmt)] = text

@@ -32,6 +32,8 @@ MODEL_NAME_RE = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._-]{0,62}[A-Za-z0-9])?$")
 MODEL_NAME_RULE = (
     "1-64 characters from letters, digits, '.', '_' and '-', starting and ending with a letter or digit"
 )
+# Nomad's own rule for node pool names (`structs.validNodePoolName`).
+NODE_POOL_RE = re.compile(r"^[a-zA-Z0-9-_]{1,128}$")
 # Versions end up in a path on the node, a Docker image tag and a comma-separated node meta list.
 ENGINE_VERSION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 SOURCE_SCHEMES = ("hf", "https", "s3", "file")
@@ -67,6 +69,12 @@ class Profile(BaseModel):
     # llama-cpp-python guesses the chat template from the GGUF and guesses wrong for some models
     # (Gemma answers empty strings with its fallback), so the profile can name it.
     chat_format: str | None = None
+    # Where its jobs may run: a Nomad node pool (the GPU nodes' own pool, `gpu` in the operating
+    # guide) and datacenters. Unset, Nomad's defaults apply: the namespace's default pool (else
+    # `default`) and every datacenter. Part of the definition: a model moved to another pool
+    # must be registered again, because Nomad places a job only where its job says.
+    node_pool: str | None = None
+    datacenters: list[str] | None = None
 
     @field_validator("args", mode="before")
     @classmethod
@@ -119,10 +127,19 @@ def job_id_for(model_name: str) -> str:
     return f"llmgw-{model_name}"
 
 
+PLACEMENT_KEYS = ("node_pool", "datacenters")
+
+
 def definition_hash(source: str, profile: Profile) -> str:
     """A change of this hash is "the definition changed": it unparks a parked model. Replicas
     and timeouts are left out on purpose, because scaling a broken model must not unpark it."""
-    doc = {"source": source, "profile": profile.model_dump(mode="json")}
+    dumped = profile.model_dump(mode="json")
+    # Placement counts only when set, so that definitions written before it existed keep their
+    # hash: an upgrade of llmgw must not re-register (and unpark) every model.
+    for key in PLACEMENT_KEYS:
+        if dumped.get(key) is None:
+            dumped.pop(key, None)
+    doc = {"source": source, "profile": dumped}
     blob = json.dumps(doc, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -354,6 +371,17 @@ def _parse_profiles(raw: Any, problems: list[str]) -> dict[str, Profile]:
             problems.append(f"{path}: gpu_memory_mib and gpu_models need gpus >= 1")
         if profile.chat_format is not None and profile.engine != "llama-cpp-python":
             problems.append(f"{path}.chat_format: only llama-cpp-python takes a chat_format")
+        if profile.node_pool is not None and not NODE_POOL_RE.match(profile.node_pool):
+            problems.append(
+                f"{path}.node_pool: {profile.node_pool!r} is not a Nomad node pool name: "
+                "1-128 letters, digits, '-' and '_'"
+            )
+        if profile.datacenters is not None:
+            if not profile.datacenters:
+                problems.append(f"{path}.datacenters: list at least one datacenter, or leave it out for all")
+            for i, dc in enumerate(profile.datacenters):
+                if not dc.strip() or any(c.isspace() for c in dc):
+                    problems.append(f"{path}.datacenters.{i}: expected a datacenter name without spaces")
         if len(problems) == before:
             profiles[str(name)] = profile
     return profiles

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 import sys
 from pathlib import Path
 
@@ -25,12 +26,44 @@ def split_listen(listen: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+# Listening on every interface says nothing about where others reach us.
+WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::", "*"})
+
+
+def advertise_address(listen: str, explicit: str = "") -> str:
+    """The HOST:PORT other watchers name when this one leads, for `llmgw ctl retry` to follow:
+    the explicit one, else the listen address unless it is a wildcard, else the address Nomad
+    gives the task's `admin` port (NOMAD_ADDR_admin: the host's IP and port, which a container's
+    own 0.0.0.0:4700 is not), else this host's name resolved."""
+    if explicit:
+        return explicit
+    host, port = split_listen(listen)
+    if host not in WILDCARD_HOSTS:
+        return listen
+    from_nomad = os.environ.get("NOMAD_ADDR_admin", "")  # noqa: SIM112  (Nomad spells it so)
+    if from_nomad:
+        return from_nomad
+    try:
+        ip = socket.gethostbyname(socket.gethostname())
+    except OSError:
+        ip = "127.0.0.1"
+    return f"{ip}:{port}"
+
+
 def watcher(
     listen: str = typer.Option(
         "127.0.0.1:4700",
         "--listen",
         envvar="LLMGW_ADMIN_LISTEN",
         help="HOST:PORT for the admin API and metrics.",
+    ),
+    advertise: str = typer.Option(
+        "",
+        "--advertise",
+        envvar="LLMGW_ADMIN_ADVERTISE",
+        help="HOST:PORT other watchers and `llmgw ctl retry` reach this one at when it leads "
+        "(default: --listen, or NOMAD_ADDR_admin when listening on 0.0.0.0).",
+        show_default=False,
     ),
     max_start_failures: int = typer.Option(
         5,
@@ -56,7 +89,11 @@ def watcher(
 
     async def main() -> int:
         consul = Consul()
-        config = WatcherConfig(address=listen, max_start_failures=max_start_failures, leader_ttl_s=leader_ttl)
+        config = WatcherConfig(
+            address=advertise_address(listen, advertise),
+            max_start_failures=max_start_failures,
+            leader_ttl_s=leader_ttl,
+        )
         w = Watcher(consul, Nomad(), config)
         await w.start()
         server = uvicorn.Server(
@@ -164,8 +201,9 @@ def ctl_retry(
         None, "--token", help="Bearer token (as `llmgw ctl --token`).", show_default=False
     ),
 ) -> None:
-    """Unpark a model: clear its failure count and restore its replicas (leader only)."""
-    from nomad_driver.admin_client import AdminClient
+    """Unpark a model: clear its failure count and restore its replicas. The leader does it; sent
+    to a follower, the request follows it to the leader."""
+    from nomad_driver.admin_client import AdminClient, NotLeader, retry_on_leader
     from nomad_driver.ctl import admin_errors, client_of
 
     # Given after the verb, they win over the group's; otherwise the group's client is used.
@@ -174,8 +212,20 @@ def ctl_retry(
         client = AdminClient(addr or client.addr, token if token is not None else os.environ.get(TOKEN_ENV))
         ctx.call_on_close(client.close)
     with admin_errors():
-        client.retry(model)
-    typer.echo(f"{model}: retried; its failure count is cleared and its replicas are being restored")
+        try:
+            answer, done_at = retry_on_leader(client, model)
+        except NotLeader as exc:
+            hint = "" if exc.leader_addr else "; no watcher leads right now, try again in a few seconds"
+            raise NotLeader(f"{exc}{hint}", exc.leader_id, exc.leader_addr) from None
+    leader = answer.get("leader") if isinstance(answer.get("leader"), dict) else {}
+    who = (
+        f"watcher {leader['id']} at {done_at}" if leader and leader.get("id") else f"the watcher at {done_at}"
+    )
+    followed = "" if done_at == client.addr else f" (the leader; {client.addr} does not lead)"
+    typer.echo(
+        f"{model}: retried by {who}{followed}; its failure count is cleared and its replicas are "
+        "being restored"
+    )
 
 
 def register(app: typer.Typer, ctl_app: typer.Typer) -> None:

@@ -1,7 +1,7 @@
 # Least-privilege ACLs, one policy and one token per component and system. What each rule is for
 # is listed call by call in nomad_driver/acl.py, and tests/test_terraform.py checks these rules
 # against that table: a call the code makes that no rule allows, or a rule no call needs, fails it.
-# Keep the rules literal (no interpolation) so the test can read them.
+# Keep the rules literal (no interpolation but the models' namespace) so the test can read them.
 
 # --- Nomad -------------------------------------------------------------------------------------
 
@@ -10,7 +10,7 @@ resource "nomad_acl_policy" "watcher" {
   description = "llmgw watcher: registers and scales the model jobs, reads their allocations, evaluations and engine logs, and reads nodes."
 
   rules_hcl = <<-EOT
-    namespace "default" {
+    namespace "${var.models_namespace}" {
       capabilities = ["list-jobs", "read-job", "submit-job", "read-logs"]
     }
 
@@ -25,7 +25,7 @@ resource "nomad_acl_policy" "router" {
   description = "llmgw router: scales an on-demand model job up when a request asks for it, and reads the job and its evaluation."
 
   rules_hcl = <<-EOT
-    namespace "default" {
+    namespace "${var.models_namespace}" {
       capabilities = ["read-job", "scale-job"]
     }
   EOT
@@ -39,6 +39,22 @@ resource "nomad_acl_policy" "node_agent" {
   rules_hcl = <<-EOT
     node {
       policy = "write"
+    }
+  EOT
+}
+
+# For the people who run `llmgw apply`: attach it to their own tokens
+# (`nomad acl token create -policy llmgw-operator ...`). No token is made for it here.
+resource "nomad_acl_policy" "operator" {
+  name        = "llmgw-operator"
+  description = "llmgw plan and apply: lists and reads the model jobs, plans and registers the new or changed ones, reads the nodes' GPUs."
+
+  rules_hcl = <<-EOT
+    namespace "${var.models_namespace}" {
+      capabilities = ["list-jobs", "read-job", "submit-job"]
+    }
+    node {
+      policy = "read"
     }
   EOT
 }
@@ -122,6 +138,18 @@ resource "consul_acl_policy" "router" {
 
     node_prefix "" {
       policy = "read"
+    }
+  EOT
+}
+
+# For the people who run `llmgw apply`, as the Nomad one above: only the definitions key.
+resource "consul_acl_policy" "operator" {
+  name        = "llmgw-operator"
+  description = "llmgw apply: stores the model definitions with check-and-set."
+
+  rules = <<-EOT
+    key "llmgw/config/models" {
+      policy = "write"
     }
   EOT
 }

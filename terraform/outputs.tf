@@ -45,3 +45,11 @@ output "admin_token" {
   value       = local.admin_token
   sensitive   = true
 }
+
+output "operator_policy_names" {
+  description = "The policies to attach to the tokens of the people who run `llmgw apply` (read and register the model jobs, store the definitions)."
+  value = {
+    nomad  = nomad_acl_policy.operator.name
+    consul = consul_acl_policy.operator.name
+  }
+}

@@ -122,3 +122,29 @@ variable "admin_token" {
   default     = null
   sensitive   = true
 }
+
+variable "tls" {
+  description = "TLS to Nomad and Consul: a directory present on every node holding the CA and client certificates (mounted read-only into llmgw's tasks), and the paths of the files in it; empty strings for what you do not use. Set nomad_addr and consul_addr (and node_nomad_addr) to https:// addresses with it."
+  type = object({
+    dir                = optional(string, "/etc/ssl/certs")
+    nomad_cacert       = optional(string, "")
+    nomad_client_cert  = optional(string, "")
+    nomad_client_key   = optional(string, "")
+    consul_cacert      = optional(string, "")
+    consul_client_cert = optional(string, "")
+    consul_client_key  = optional(string, "")
+  })
+  default = {}
+}
+
+variable "node_nomad_addr" {
+  description = "The node agent's Nomad address, its own node's client API, as seen from the task (https://... where it requires TLS); empty: the agent on the node over http."
+  type        = string
+  default     = ""
+}
+
+variable "models_namespace" {
+  description = "Nomad namespace of the model jobs: the watcher registers and the routers scale them there, and their Nomad policies grant only there. Create it first (`nomad namespace apply`)."
+  type        = string
+  default     = "default"
+}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,13 +17,15 @@ ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "models.yaml"
 
 
-def llmgw(*args: str | Path) -> subprocess.CompletedProcess[str]:
+def llmgw(*args: str | Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    environ = {k: v for k, v in os.environ.items() if k != "NOMAD_NAMESPACE"}
     return subprocess.run(
         [sys.executable, "-m", "nomad_driver.cli", *map(str, args)],
         capture_output=True,
         text=True,
         timeout=60,
         cwd=ROOT,
+        env={**environ, **(env or {})},
     )
 
 
@@ -66,14 +69,19 @@ def test_render_json_gives_the_api_job_with_four_gpus_for_the_70b(tmp_path: Path
     ]
 
 
-def test_render_passes_placement_options(tmp_path: Path) -> None:
-    result = llmgw(
-        "render", EXAMPLE, "-o", tmp_path, "-f", "json", "-d", "dc1", "-d", "dc2", "--namespace", "llm",
-        "--node-pool", "gpu",
-    )  # fmt: skip
+def test_render_places_jobs_where_the_models_file_says_and_in_nomad_namespace(tmp_path: Path) -> None:
+    result = llmgw("render", EXAMPLE, "-o", tmp_path, "-f", "json", env={"NOMAD_NAMESPACE": "llm"})
     assert result.returncode == 0, result.stderr
-    job = json.loads((tmp_path / "llmgw-qwen2.5-0.5b.nomad.json").read_text())["Job"]
-    assert (job["Datacenters"], job["Namespace"], job["NodePool"]) == (["dc1", "dc2"], "llm", "gpu")
+    job = json.loads((tmp_path / "llmgw-llama-3.3-70b.nomad.json").read_text())["Job"]
+    assert (job["Datacenters"], job["Namespace"], job["NodePool"]) == (["dc1"], "llm", "gpu")
+
+
+def test_the_old_placement_flags_point_at_the_models_file(tmp_path: Path) -> None:
+    # They rendered a pool that apply and the watcher never used; now the file says it for all.
+    result = llmgw("render", EXAMPLE, "-o", tmp_path, "--node-pool", "gpu")
+    assert result.returncode == 2
+    assert "node_pool" in result.stderr and "models file" in result.stderr
+    assert not list(tmp_path.iterdir())
 
 
 def test_check_validates_and_writes_nothing(tmp_path: Path) -> None:

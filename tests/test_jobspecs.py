@@ -114,3 +114,43 @@ def test_parser_refuses_undeclared_and_missing_variables() -> None:
 
 def test_variables_file_is_read_as_nomad_reads_it() -> None:
     assert parse_variables_file('venv = "/opt/venv"\nport = 8081\n') == {"venv": "/opt/venv", "port": 8081}
+
+
+TLS_VARS = {
+    "nomad_addr": "https://nomad.internal:4646",
+    "consul_addr": "https://consul.internal:8501",
+    "tls_dir": "/etc/llmgw/tls",
+    "nomad_cacert": "/etc/llmgw/tls/nomad-ca.pem",
+    "nomad_client_cert": "/etc/llmgw/tls/cli.pem",
+    "nomad_client_key": "/etc/llmgw/tls/cli-key.pem",
+    "consul_cacert": "/etc/llmgw/tls/consul-ca.pem",
+    "consul_client_cert": "/etc/llmgw/tls/consul-cli.pem",
+    "consul_client_key": "/etc/llmgw/tls/consul-cli-key.pem",
+}
+
+
+@pytest.mark.parametrize("path", PRODUCTION, ids=lambda p: p.name)
+def test_every_job_talks_tls_to_nomad_and_consul_when_told_to(path: Path) -> None:
+    """The variables HashiCorp's CLIs read, pointing at files mounted from the node; the node
+    agent talks only to Nomad."""
+    task = parse(path, **TLS_VARS)["TaskGroups"][0]["Tasks"][0]
+    env = task["Env"]
+    assert env["NOMAD_ADDR"] == "https://nomad.internal:4646"
+    assert (env["NOMAD_CACERT"], env["NOMAD_CLIENT_CERT"], env["NOMAD_CLIENT_KEY"]) == (
+        "/etc/llmgw/tls/nomad-ca.pem",
+        "/etc/llmgw/tls/cli.pem",
+        "/etc/llmgw/tls/cli-key.pem",
+    )
+    if "node-agent" not in path.name:
+        assert env["CONSUL_HTTP_ADDR"] == "https://consul.internal:8501"
+        assert env["CONSUL_CACERT"] == "/etc/llmgw/tls/consul-ca.pem"
+        assert env["CONSUL_CLIENT_KEY"] == "/etc/llmgw/tls/consul-cli-key.pem"
+    assert "/etc/llmgw/tls:/etc/llmgw/tls:ro" in task["Config"]["volumes"]
+    # Without them nothing TLS is set: the code reads an empty variable as unset.
+    plain = parse(path)["TaskGroups"][0]["Tasks"][0]["Env"]
+    assert plain["NOMAD_ADDR"].startswith("http://") and not plain["NOMAD_CACERT"]
+
+
+def test_the_watcher_advertises_the_hosts_address_of_its_admin_port() -> None:
+    env = parse(JOBS / "llmgw-watcher.nomad.hcl")["TaskGroups"][0]["Tasks"][0]["Env"]
+    assert env["LLMGW_ADMIN_ADVERTISE"] == "${NOMAD_ADDR_admin}"

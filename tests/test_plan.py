@@ -22,11 +22,12 @@ import requests
 from typer.testing import CliRunner, Result
 
 from devstack.demo_models import TEMPLATE, effective_models_text
+from devstack.fleet import GPU_POOL, effective_nodes
 from nomad_driver.cli import app
 from nomad_driver.consul import Consul
 from nomad_driver.nomad import Nomad
 from nomad_driver.state import CONFIG_MODELS_KEY
-from tests.fixtures.nomad import REPO, StandIn
+from tests.fixtures.nomad import REPO, SMALL_FLEET, StandIn
 from tests.watcher_support import read_state, until
 
 pytestmark = pytest.mark.timeout(180)
@@ -42,11 +43,16 @@ PLACEMENT_KEYS = {"fits", "count", "reason", "candidates", "preempts", "updates"
 CANDIDATE_KEYS = {"node_class", "gpu_model", "nodes"}
 
 
+def demo_fleet(tmp_path: Path) -> Path:
+    """The dev stack's fleet: small.yaml's GPU nodes in the pool `gpu` the demo models name."""
+    return effective_nodes(SMALL_FLEET, tmp_path / "engines", tmp_path / "fleet.yaml", gpu_pool=GPU_POOL)
+
+
 @pytest.fixture
 def cluster(
-    consul_url: str, start_standin: Callable[..., StandIn], monkeypatch: pytest.MonkeyPatch
+    consul_url: str, start_standin: Callable[..., StandIn], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> StandIn:
-    standin = start_standin(consul=False)
+    standin = start_standin(nodes=demo_fleet(tmp_path), consul=False)
     monkeypatch.setenv("CONSUL_HTTP_ADDR", consul_url)
     monkeypatch.setenv("NOMAD_ADDR", standin.url)
     return standin
@@ -161,7 +167,7 @@ async def test_a_profile_that_needs_more_gpu_memory_fits_nowhere_before_and_afte
 ) -> None:
     from nomad_driver.watcher import Watcher, WatcherConfig
 
-    standin = start_standin(consul=False)
+    standin = start_standin(nodes=demo_fleet(tmp_path), consul=False)
     monkeypatch.setenv("CONSUL_HTTP_ADDR", consul_url)
     monkeypatch.setenv("NOMAD_ADDR", standin.url)
     path = tmp_path / "models.yaml"

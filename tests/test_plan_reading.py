@@ -79,6 +79,15 @@ def test_nodes_that_can_take_a_model_need_enough_healthy_gpus_of_the_right_kind(
     smaller = model(TEXT.replace("gpu_memory_mib: 80000", "gpu_memory_mib: 90000"))
     assert candidates(smaller, nodes) == []
 
+    # Only the profile's node pool: a matching node elsewhere is not where it can go.
+    pooled = [
+        *nodes,
+        gpu_node("g", "NVIDIA H100 80GB HBM3", 81559, healthy=4, node_class="h100-gpu", NodePool="gpu"),
+    ]
+    assert {c.node_class for c in candidates(model(), pooled)} == {"h100"}
+    in_gpu = model(TEXT.replace("    gpus: 2\n", "    gpus: 2\n    node_pool: gpu\n"))
+    assert [(c.node_class, c.nodes) for c in candidates(in_gpu, pooled)] == [("h100-gpu", 1)]
+
 
 def test_nomads_answer_is_read_with_preemptions_and_the_watchers_reason() -> None:
     job = render_job(model())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import textwrap
@@ -23,7 +24,7 @@ from nomad_driver.render import (
     render_job,
     weights_for,
 )
-from nomad_driver.spec import Model, load_models, parse_models
+from nomad_driver.spec import Model, definition_hash, load_models, parse_models
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = load_models(ROOT / "examples" / "models.yaml")
@@ -286,13 +287,27 @@ def test_nomad_itself_gives_up_on_a_model_that_keeps_failing() -> None:
     assert "Update" not in group  # a deployment would block scale calls
 
 
-def test_placement_options_are_passed_through() -> None:
-    model = EXAMPLES.models["qwen2.5-0.5b"]
-    job = render_job(model, datacenters=["dc1", "dc2"], namespace="llm", node_pool="gpu")
-    assert (job["Datacenters"], job["Namespace"], job["NodePool"]) == (["dc1", "dc2"], "llm", "gpu")
-    default = render_job(model)
-    assert default["Datacenters"] == ["*"] and default["Namespace"] == "default"
-    assert "NodePool" not in default
+def test_placement_comes_from_the_profile_and_the_namespace_from_the_caller() -> None:
+    job = render_job(EXAMPLES.models["llama-3.3-70b"], namespace="llm")
+    assert (job["Datacenters"], job["Namespace"], job["NodePool"]) == (["dc1"], "llm", "gpu")
+    # No namespace of its own: what apply and the watcher submit lands in the namespace of their
+    # call (NOMAD_NAMESPACE), never silently in `default`.
+    default = render_job(DEV_MODELS.models["tiny"])
+    assert default["Datacenters"] == ["*"]
+    assert "Namespace" not in default and "NodePool" not in default
+
+
+def test_placement_is_part_of_the_definition_only_when_set() -> None:
+    base = EXAMPLES.profiles["llamacpp-1x24g"]
+    unset = base.model_copy(update={"node_pool": None, "datacenters": None})
+    moved = base.model_copy(update={"node_pool": "gpu-b"})
+    source = "file:///m.gguf"
+    # A file written before placement existed keeps its hash across an upgrade (no re-register,
+    # no unpark); a model moved to another pool is a new definition, registered again.
+    legacy = {k: v for k, v in unset.model_dump(mode="json").items() if k not in ("node_pool", "datacenters")}
+    blob = json.dumps({"source": source, "profile": legacy}, sort_keys=True, separators=(",", ":"))
+    assert definition_hash(source, unset) == hashlib.sha256(blob.encode()).hexdigest()[:16]
+    assert len({definition_hash(source, p) for p in (unset, base, moved)}) == 3
 
 
 # Field names of Nomad's api package (api/jobs.go, tasks.go, resources.go, services.go,
@@ -392,13 +407,14 @@ def job_from_hcl(text: str) -> dict[str, Any]:
         "ID": job_id,
         "Name": body.get("name", job_id),
         "Type": body["type"],
-        "Namespace": body["namespace"],
-        "Datacenters": body["datacenters"],
-        "Meta": body["meta"][0],
-        "TaskGroups": [],
     }
+    if "namespace" in body:
+        job["Namespace"] = body["namespace"]
+    job["Datacenters"] = body["datacenters"]
     if "node_pool" in body:
         job["NodePool"] = body["node_pool"]
+    job["Meta"] = body["meta"][0]
+    job["TaskGroups"] = []
     for name, g in _labeled(body["group"]):
         (net,) = g["network"]
         (service,) = g["service"]
@@ -490,8 +506,7 @@ def job_from_hcl(text: str) -> dict[str, Any]:
 
 @pytest.mark.parametrize("model", ALL_MODELS, ids=lambda m: m.name)
 def test_the_hcl_says_exactly_what_the_json_says(model: Model) -> None:
-    kwargs: dict[str, Any] = {"datacenters": ["dc1"], "namespace": "llm", "node_pool": "gpus"}
-    assert job_from_hcl(render_hcl(model, **kwargs)) == render_job(model, **kwargs)
+    assert job_from_hcl(render_hcl(model, namespace="llm")) == render_job(model, namespace="llm")
     assert job_from_hcl(render_hcl(model)) == render_job(model)
 
 

@@ -34,7 +34,7 @@ EXAMPLE = MODULE / "examples" / "basic"
 HCL = SerializationOptions(strip_string_quotes=True, explicit_blocks=False, with_comments=False)
 
 # Terraform resource name -> the component whose calls nomad_driver/acl.py lists.
-COMPONENT_OF = {"watcher": "watcher", "router": "router", "node_agent": "node-agent"}
+COMPONENT_OF = {"watcher": "watcher", "router": "router", "node_agent": "node-agent", "operator": "operator"}
 JOBSPEC_OF = {
     "watcher": "llmgw-watcher.nomad.hcl",
     "router": "llmgw-router.nomad.hcl",
@@ -158,7 +158,11 @@ def test_outputs_name_the_router_service_and_token_accessors() -> None:
     outputs = named_blocks("output", MODULE / "outputs.tf")
     assert outputs["router_service_name"]["value"] == "llmgw-router"
     assert outputs["router_port"]["value"] == "${var.router_port}"
-    assert set(outputs["nomad_token_accessor_ids"]["value"]) == set(COMPONENT_OF)
+    assert set(outputs["nomad_token_accessor_ids"]["value"]) == set(JOBSPEC_OF)
+    assert outputs["operator_policy_names"]["value"] == {
+        "nomad": "${nomad_acl_policy.operator.name}",
+        "consul": "${consul_acl_policy.operator.name}",
+    }
     for value in outputs["nomad_token_accessor_ids"]["value"].values():
         assert value.endswith(".accessor_id}")
 
@@ -247,7 +251,9 @@ def policies(rtype: str, attr: str) -> dict[str, dict[str, Any]]:
     found = {}
     for (t, name), body in blocks("resource").items():
         if t == rtype:
-            found[COMPONENT_OF[name]] = hcl2.loads(heredoc(body[attr]), serialization_options=HCL)
+            # The one interpolation the rules have: the models' namespace, at its default.
+            rules = heredoc(body[attr]).replace("${var.models_namespace}", "default")
+            found[COMPONENT_OF[name]] = hcl2.loads(rules, serialization_options=HCL)
     return found
 
 
@@ -279,11 +285,56 @@ def test_each_token_carries_its_own_components_policy_and_no_more() -> None:
             assert body["policies"] == [f"${{consul_acl_policy.{name}.name}}"]
             assert "roles" not in body and "service_identities" not in body
     # The jobs get the tokens the module made, not some other secret.
-    for name in COMPONENT_OF:
+    for name in JOBSPEC_OF:
         items = resources[("nomad_variable", name)]["items"]
         assert items["nomad_token"] == f"${{nomad_acl_token.{name}.secret_id}}"
         if "consul_token" in items:
             assert items["consul_token"] == f"${{data.consul_acl_token_secret_id.{name}.secret_id}}"
+
+
+def cli_verbs() -> set[str]:
+    """Every verb of the `llmgw` CLI as an operator types it (`apply`, `ctl retry`)."""
+    import typer.main
+
+    from nomad_driver.cli import app
+
+    command = typer.main.get_command(app)
+    verbs: set[str] = set()
+
+    def walk(group: Any, prefix: str) -> None:
+        for name, sub in group.commands.items():
+            if hasattr(sub, "commands"):
+                walk(sub, f"{prefix}{name} ")
+            else:
+                verbs.add(f"{prefix}{name}")
+
+    walk(command, "")
+    return verbs
+
+
+def test_every_cli_verb_says_whose_grants_it_runs_with() -> None:
+    """A verb added without a line in acl.CLI_VERBS would go out with whatever token the operator
+    holds, and nobody would have written down what that token must allow."""
+    verbs = cli_verbs()
+    assert {"render", "apply", "ctl retry"} <= verbs
+    assert verbs == set(acl.CLI_VERBS), "add each verb to acl.CLI_VERBS, and drop gone ones"
+    for verb, runs_with in acl.CLI_VERBS.items():
+        if runs_with in acl.COMPONENTS:
+            assert acl.CALLS[cast(acl.Component, runs_with)], f"{verb}: its component lists no calls"
+
+
+def test_apply_reads_each_job_before_registering_it_and_the_operator_policy_allows_both() -> None:
+    calls = {(c.method, c.path) for c in acl.CALLS["operator"] if c.system == "nomad"}
+    assert calls == {
+        ("GET", "/v1/job/<job>"),
+        ("POST", "/v1/job/<job>"),
+        # `llmgw plan`, which `apply` runs first.
+        ("GET", "/v1/jobs?prefix=llmgw-&meta=true"),
+        ("POST", "/v1/job/<job>/plan"),
+        ("GET", "/v1/nodes?resources=true"),
+    }
+    policy, _ = acl.nomad_policy(policies("nomad_acl_policy", "rules_hcl")["operator"])
+    assert policy.capabilities["default"] == {"list-jobs", "read-job", "submit-job"}
 
 
 def with_rules(parsed: dict[str, Any], text: str) -> dict[str, Any]:
@@ -514,6 +565,27 @@ def test_consul_with_acls_enforced_allows_every_call_in_the_table(
     )
 
 
+async def test_apply_stores_definitions_under_the_operator_policy_and_nothing_else(
+    acl_consul: tuple[str, str],
+) -> None:
+    """`llmgw apply`'s own Consul code, run with a token carrying only the operator policy."""
+    from nomad_driver.apply import store_definitions
+    from nomad_driver.consul import Consul
+    from nomad_driver.state import ModelState, state_key
+
+    url, master = acl_consul
+    token = consul_token_for(url, master, "operator")
+    consul = Consul(url, token=token)
+    try:
+        assert await store_definitions(consul, "models: {}\n")
+        assert not await store_definitions(consul, "models: {}\n")  # read back, unchanged
+        assert await store_definitions(consul, "models: {a: 1}\n")
+    finally:
+        await consul.close()
+    refused = consul_request(url, token, "PUT", f"/v1/kv/{state_key('m')}", content=ModelState().to_kv())
+    assert refused.status_code == 403
+
+
 def test_consul_with_acls_enforced_refuses_what_the_router_must_not_do(acl_consul: tuple[str, str]) -> None:
     url, master = acl_consul
     token = consul_token_for(url, master, "router")
@@ -726,6 +798,8 @@ def test_every_consul_and_nomad_call_in_the_code_is_in_the_acl_table() -> None:
             if rel.parts[0] == "router"
             else "node-agent"
             if path.name == "node_agent.py"
+            else "operator"
+            if path.name == "plan.py"  # `llmgw plan` and `apply`, with the operator's tokens
             else "watcher"
         )
         for method, pattern, line in api_calls_in(path):

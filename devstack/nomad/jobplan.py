@@ -113,6 +113,8 @@ def plan(server: NomadServer, body: Any, path_id: str | None = None, query_ns: s
     if errors:
         # Admission controllers run behind the RPC boundary: a plain error, so HTTP 500.
         raise ApiError(500, multierror_text(errors))
+    # The same admission controllers as a register: the node pool must exist.
+    server._node_pool(job)
 
     store = server.store
     existing = store.jobs.get((job["Namespace"], job["ID"]))

@@ -114,6 +114,14 @@ class NomadServer:
             raise ApiError(400, f'nonexistent namespace "{ns}"')
         return ns
 
+    def _node_pool(self, job: Json) -> None:
+        # A node joining a pool creates it; a job in a pool that no node has is refused at
+        # registration by Nomad's jobNodePoolValidatingHook, with no status code (so 500).
+        pool = job.get("NodePool") or "default"
+        known = {"default", "all"} | {n.get("NodePool") or "default" for n in self.store.nodes.values()}
+        if pool not in known:
+            raise ApiError(500, f'job "{job["ID"]}" is in nonexistent node pool "{pool}"')
+
     def register(self, body: Any, path_id: str | None = None, query_ns: str | None = None) -> Json:
         if not isinstance(body, dict) or not isinstance(body.get("Job"), dict):
             raise ApiError(400, "Job must be specified")
@@ -138,6 +146,7 @@ class NomadServer:
         if errors:
             # Validation runs behind the RPC boundary with no status code, so Nomad answers 500.
             raise ApiError(500, multierror_text(errors))
+        self._node_pool(job)
         key = (job["Namespace"], job["ID"])
         existing = self.store.jobs.get(key)
         if body.get("EnforceIndex"):

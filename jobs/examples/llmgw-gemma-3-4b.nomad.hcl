@@ -1,13 +1,13 @@
-# Rendered by llmgw from model 'gemma-3-4b' (definition 192c3522fbe5a021).
+# Rendered by llmgw from model 'gemma-3-4b' (definition dbaa1f4c33aa1d61).
 # Edit the models file and render again rather than this file.
 job "llmgw-gemma-3-4b" {
   type        = "service"
-  namespace   = "default"
   datacenters = ["*"]
+  node_pool   = "gpu"
 
   meta {
     llmgw_model    = "gemma-3-4b"
-    llmgw_def_hash = "192c3522fbe5a021"
+    llmgw_def_hash = "dbaa1f4c33aa1d61"
     llmgw_source   = "hf://ggml-org/gemma-3-4b-it-GGUF/gemma-3-4b-it-Q4_K_M.gguf"
     llmgw_profile  = "llamacpp-python-1x24g"
   }
@@ -38,7 +38,7 @@ job "llmgw-gemma-3-4b" {
 
       meta {
         model    = "gemma-3-4b"
-        def_hash = "192c3522fbe5a021"
+        def_hash = "dbaa1f4c33aa1d61"
       }
 
       check {

@@ -1,13 +1,13 @@
-# Rendered by llmgw from model 'llama-3.3-70b' (definition baeb291bc1edcbfb).
+# Rendered by llmgw from model 'llama-3.3-70b' (definition 330e3816673efeba).
 # Edit the models file and render again rather than this file.
 job "llmgw-llama-3.3-70b" {
   type        = "service"
-  namespace   = "default"
-  datacenters = ["*"]
+  datacenters = ["dc1"]
+  node_pool   = "gpu"
 
   meta {
     llmgw_model    = "llama-3.3-70b"
-    llmgw_def_hash = "baeb291bc1edcbfb"
+    llmgw_def_hash = "330e3816673efeba"
     llmgw_source   = "s3://models/meta-llama/Llama-3.3-70B-Instruct/"
     llmgw_profile  = "vllm-4x80g"
   }
@@ -38,7 +38,7 @@ job "llmgw-llama-3.3-70b" {
 
       meta {
         model    = "llama-3.3-70b"
-        def_hash = "baeb291bc1edcbfb"
+        def_hash = "330e3816673efeba"
       }
 
       check {

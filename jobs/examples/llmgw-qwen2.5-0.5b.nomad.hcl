@@ -1,13 +1,13 @@
-# Rendered by llmgw from model 'qwen2.5-0.5b' (definition 7b76428114fb8cc0).
+# Rendered by llmgw from model 'qwen2.5-0.5b' (definition 1006d941d6c9f6ab).
 # Edit the models file and render again rather than this file.
 job "llmgw-qwen2.5-0.5b" {
   type        = "service"
-  namespace   = "default"
   datacenters = ["*"]
+  node_pool   = "gpu"
 
   meta {
     llmgw_model    = "qwen2.5-0.5b"
-    llmgw_def_hash = "7b76428114fb8cc0"
+    llmgw_def_hash = "1006d941d6c9f6ab"
     llmgw_source   = "hf://Qwen/Qwen2.5-0.5B-Instruct-GGUF/qwen2.5-0.5b-instruct-q4_k_m.gguf"
     llmgw_profile  = "llamacpp-1x24g"
   }
@@ -38,7 +38,7 @@ job "llmgw-qwen2.5-0.5b" {
 
       meta {
         model    = "qwen2.5-0.5b"
-        def_hash = "7b76428114fb8cc0"
+        def_hash = "1006d941d6c9f6ab"
       }
 
       check {

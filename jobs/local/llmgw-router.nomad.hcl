@@ -22,9 +22,16 @@ variable "port" {
   default     = 8080
 }
 
+variable "node_pool" {
+  type        = string
+  description = "Node pool for llmgw's own services: not the GPU pool the models run in."
+  default     = "default"
+}
+
 job "llmgw-router" {
   type        = "service"
   datacenters = ["*"]
+  node_pool   = var.node_pool
 
   group "router" {
     count = 1

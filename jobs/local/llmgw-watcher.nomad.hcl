@@ -35,9 +35,16 @@ variable "max_start_failures" {
   default     = 5
 }
 
+variable "node_pool" {
+  type        = string
+  description = "Node pool for llmgw's own services: not the GPU pool the models run in."
+  default     = "default"
+}
+
 job "llmgw-watcher" {
   type        = "service"
   datacenters = ["*"]
+  node_pool   = var.node_pool
 
   group "watcher" {
     count = var.watcher_count

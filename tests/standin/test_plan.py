@@ -226,5 +226,8 @@ def test_plan_refuses_what_nomad_refuses(standin: StandIn) -> None:
     invalid["Job"]["TaskGroups"][0]["Tasks"][0]["Driver"] = ""
     code, text = refused(invalid)
     assert code == 500 and "Missing task driver" in text
+    pooled = mock_job("x")
+    pooled["Job"]["NodePool"] = "gpu"
+    assert refused(pooled) == (500, 'job "x" is in nonexistent node pool "gpu"')
     resp = requests.get(f"{standin.url}/v1/job/x/plan", timeout=10)
     assert resp.status_code == 405
