@@ -8,13 +8,29 @@ PY := $(VENV)/bin/python
 LLAMA_CPP_PYTHON := 0.3.36
 CONSUL_BIN := $(CACHE)/consul/usr/bin/consul
 PROMTOOL_BIN := $(CACHE)/prometheus/usr/bin/promtool
-LLAMA_WHEEL_STAMP := $(CACHE)/wheels/.llama-cpp-python-$(LLAMA_CPP_PYTHON)
+# llama.cpp is built for x86-64-v3 (AVX2, FMA, F16C), not -march=native: CPUs that advertise AMX
+# inside VMs that never enabled its register state die with SIGILL on the first quantized matmul
+# (seen here: `tilezero` in libggml-cpu.so on Gemma's first completion). The flavour is part of the
+# cache path, so a wheel built the old way is never picked up again.
+LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
+LLAMA_WHEELS := $(CACHE)/wheels/llama-cpp-python-$(LLAMA_CPP_PYTHON)-x86-64-v3
+LLAMA_WHEEL_STAMP := $(LLAMA_WHEELS)/.built
+# The Prometheus server the dev stack runs comes from bullseye: Debian's later packages are built
+# without Consul service discovery (since 2.33.5+ds1-4), which is how it finds llmgw. Its web UI
+# links its scripts, styles and fonts from the libjs-* packages, unpacked beside it.
+PROMETHEUS_BIN := $(CACHE)/prometheus-server/usr/bin/prometheus
+PROMETHEUS_PKGS := prometheus libjs-bootstrap4 libjs-eonasdan-bootstrap-datetimepicker libjs-jquery \
+	libjs-jquery-hotkeys libjs-moment libjs-moment-timezone libjs-mustache libjs-popper.js \
+	libjs-rickshaw libjs-d3 fonts-glyphicons-halflings
+CHROMIUM_BIN := $(CACHE)/chromium/chromium
 export LLMGW_CONSUL_BIN := $(CONSUL_BIN)
 export LLMGW_PROMTOOL_BIN := $(PROMTOOL_BIN)
+export LLMGW_PROMETHEUS_BIN := $(PROMETHEUS_BIN)
+export LLMGW_CHROMIUM_BIN := $(CHROMIUM_BIN)
 
 .PHONY: setup test lint typecheck pytest demo clean
 
-setup: $(VENV)/.installed $(CONSUL_BIN) $(PROMTOOL_BIN)
+setup: $(VENV)/.installed $(CONSUL_BIN) $(PROMTOOL_BIN) $(PROMETHEUS_BIN) $(CHROMIUM_BIN)
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -22,13 +38,14 @@ $(VENV)/bin/python:
 
 # llama.cpp compiles for about four minutes; the wheel is kept so it happens once per machine.
 $(LLAMA_WHEEL_STAMP):
-	@mkdir -p $(CACHE)/wheels
+	@mkdir -p $(LLAMA_WHEELS)
 	@echo "building llama-cpp-python $(LLAMA_CPP_PYTHON) once (compiles llama.cpp, ~4 min on 2 cores)..."
-	$(PYTHON) -m pip wheel --no-deps --wheel-dir $(CACHE)/wheels 'llama-cpp-python==$(LLAMA_CPP_PYTHON)'
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PYTHON) -m pip wheel --no-deps --no-cache-dir --wheel-dir $(LLAMA_WHEELS) 'llama-cpp-python==$(LLAMA_CPP_PYTHON)'
 	@touch $@
 
 $(VENV)/.installed: pyproject.toml $(VENV)/bin/python $(LLAMA_WHEEL_STAMP)
-	$(PY) -m pip install --quiet --find-links $(CACHE)/wheels \
+	$(PY) -m pip install --quiet --no-deps --force-reinstall $(LLAMA_WHEELS)/llama_cpp_python-$(LLAMA_CPP_PYTHON)-*.whl
+	$(PY) -m pip install --quiet --find-links $(LLAMA_WHEELS) \
 		'llama-cpp-python[server]==$(LLAMA_CPP_PYTHON)' -e '.[dev]'
 	@touch $@
 
@@ -38,6 +55,16 @@ $(CONSUL_BIN):
 
 $(PROMTOOL_BIN):
 	bash devstack/fetch-deb.sh prometheus bookworm $(CACHE)/prometheus
+	@test -x $@
+
+$(PROMETHEUS_BIN):
+	bash devstack/fetch-deb.sh "$(PROMETHEUS_PKGS)" bullseye $(CACHE)/prometheus-server
+	@test -x $@
+
+# Debian's chromium for the browser tests (Playwright drives it; it never downloads a browser),
+# with whichever of its libraries this machine lacks, unpacked privately like the rest.
+$(CHROMIUM_BIN):
+	bash devstack/fetch-chromium.sh $(CACHE)/chromium
 	@test -x $@
 
 lint: setup

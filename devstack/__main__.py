@@ -1,6 +1,6 @@
 """`python -m devstack up|down`: the single-machine llmgw stack for demos, development and tests.
 
-    python -m devstack up [--tiny] [--state-dir DIR] [--services nomad|process] [--no-tour]
+    python -m devstack up [--tiny] [--state-dir DIR] [--services nomad|process] [--no-tour] [--alert-for 20s]
     python -m devstack down [--state-dir DIR]
 
 `up` stays in the foreground until Ctrl-C (or `down` from another shell) and then stops every
@@ -16,6 +16,14 @@ import sys
 from pathlib import Path
 
 from devstack import stack
+
+
+def _duration(text: str) -> str:
+    try:
+        stack.prom.parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+    return text
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
@@ -57,6 +65,12 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     up.add_argument("--watchers", type=int, default=2)
     up.add_argument("--wait", type=float, default=600.0, help="seconds to wait for the demo models")
     up.add_argument("--no-tour", action="store_true", help="skip the tour (the tests do)")
+    up.add_argument(
+        "--alert-for",
+        type=_duration,
+        default=stack.prom.DEFAULT_ALERT_FOR,
+        help="cut the alert rules' for: durations to this in the dev stack's copy (a Prometheus duration)",
+    )
 
     down = verbs.add_parser("down", help="stop everything a running 'devstack up' started")
     down.add_argument("--state-dir", type=Path, default=default_dir, help=state_help)
@@ -78,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         watchers=args.watchers,
         wait_timeout=args.wait,
         tour=not args.no_tour,
+        alert_for=args.alert_for,
     )
     return stack.run_up(options)
 

@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 
 from devstack import demo_models, fleet, nomad_agent, processes, services
+from devstack import prometheus as prom
 from devstack.consul_agent import ConsulAgent
 from devstack.ports import free_port
 
@@ -64,6 +65,9 @@ class UpOptions:
     max_start_failures: int = 5
     wait_timeout: float = 600.0
     tour: bool = True
+    # The alert rules' `for:` durations are cut to this in the dev stack's copy, so that the
+    # demo's alerts fire within a minute (the shipped rules wait up to ten).
+    alert_for: str = prom.DEFAULT_ALERT_FOR
 
 
 @dataclass
@@ -72,6 +76,7 @@ class Addresses:
     nomad: str = ""
     router: str = ""
     admin: str = ""
+    prometheus: str = ""
     watchers: list[str] = field(default_factory=list)
 
     def env(self) -> dict[str, str]:
@@ -81,6 +86,7 @@ class Addresses:
             "LLMGW_ADMIN_ADDR": self.admin,
             "LLMGW_ROUTER_URL": self.router,
             "OPENAI_BASE_URL": f"{self.router}/v1",
+            "PROMETHEUS_ADDR": self.prometheus,
         }
 
 
@@ -98,6 +104,7 @@ class Stack:
         self.addr = Addresses()
         self.consul: ConsulAgent | None = None
         self.nomad_proc: subprocess.Popen[bytes] | None = None
+        self.prometheus: prom.Prometheus | None = None
         self.nomad_is_standin = True
         self.services = services.Services()
         self.gemma_is_real = False
@@ -156,6 +163,7 @@ class Stack:
         self.addr.consul = self.consul.url
         self.say(f"Consul {self.consul.url} (UI {self.consul.url}/ui/)")
 
+        self._start_prometheus()
         self._start_nomad()
         self._start_services()
         self._apply()
@@ -163,6 +171,30 @@ class Stack:
 
         write_env_file(self)
         self.save()
+
+    def _start_prometheus(self) -> None:
+        assert self.consul is not None
+        o = self.options
+        # A certificate for the expiry metric to watch, so that the certificate panels and
+        # alerts have a series here too; the watchers and routers read LLMGW_TLS_CERTS from the
+        # environment Nomad passes on to raw_exec tasks (child processes inherit it as well).
+        cert = prom.write_watched_certificate(self.dir / "tls" / "watched-cert.pem")
+        watched = [p for p in os.environ.get("LLMGW_TLS_CERTS", "").split(",") if p]
+        os.environ["LLMGW_TLS_CERTS"] = ",".join(dict.fromkeys([*watched, str(cert)]))
+        self.say(f"starting Prometheus (alert rules with for: cut to {o.alert_for}) ...")
+        self.prometheus = prom.start(
+            state_dir=self.dir / "prometheus",
+            consul_url=self.consul.url,
+            log=self.logs / "prometheus.log",
+            alert_for=o.alert_for,
+        )
+        self._track("prometheus", self.prometheus.process.pid, self.prometheus.log)
+        self.addr.prometheus = self.prometheus.url
+        self.save()
+        self.say(
+            f"Prometheus {self.prometheus.url} (alerts {self.prometheus.url}/classic/alerts), "
+            "scraping llmgw-watcher and llmgw-router found in Consul"
+        )
 
     def _start_nomad(self) -> None:
         o = self.options
@@ -321,6 +353,7 @@ class Stack:
         stop_children(self.state, self.say)
         self.consul = None
         self.nomad_proc = None
+        self.prometheus = None
         (self.dir / processes.STATE_FILE).unlink(missing_ok=True)
 
 
@@ -376,7 +409,8 @@ def run_up(options: UpOptions, say: Say = say) -> int:
         say("the stack is up; Ctrl-C here, or 'python -m devstack down' from another shell, stops it")
         while True:
             time.sleep(1.0)
-            for name, proc in (("nomad", stack.nomad_proc),):
+            prometheus = stack.prometheus.process if stack.prometheus else None
+            for name, proc in (("nomad", stack.nomad_proc), ("prometheus", prometheus)):
                 if proc is not None and proc.poll() is not None:
                     raise StackError(f"{name} exited with status {proc.returncode}; see {stack.logs}")
             if stack.consul is not None and not stack.consul.running:
@@ -387,6 +421,7 @@ def run_up(options: UpOptions, say: Say = say) -> int:
         StackError,
         services.ServiceError,
         nomad_agent.NomadStartError,
+        prom.PrometheusError,
         RuntimeError,
         OSError,
         ValueError,

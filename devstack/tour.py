@@ -11,9 +11,13 @@ import os
 import shlex
 import shutil
 import subprocess
+import time
 from typing import TYPE_CHECKING, Any
 
+import httpx
 import openai
+
+from devstack import prometheus as prom
 
 if TYPE_CHECKING:
     from devstack.stack import Stack
@@ -84,6 +88,35 @@ def curl_step(router: str) -> str:
         return out.stdout.strip() or out.stderr.strip()
 
 
+def alerts_step(
+    prometheus: str, models: tuple[str, ...] = ("kev-0.5b", "phi-4"), wait_s: float = 120.0
+) -> str:
+    """The firing alerts about `models`, from Prometheus's own API, once the demo's have fired.
+
+    The dev stack cuts the rules' `for:` to seconds, but an alert still needs that long after
+    the model's state changed, and a scrape and an evaluation, so the tour waits for them.
+    """
+    deadline = time.monotonic() + wait_s
+    found: list[dict[str, Any]] = []
+    while True:
+        try:
+            found = [a for a in prom.alerts(prometheus) if a.get("state") == "firing"]
+        except (httpx.HTTPError, ValueError) as exc:
+            return f"error: {exc}"
+        names = {(a["labels"].get("alertname"), a["labels"].get("model")) for a in found}
+        if set(prom.DEMO_ALERTS) <= names or time.monotonic() > deadline:
+            break
+        time.sleep(2.0)
+    lines = []
+    for a in sorted(found, key=lambda a: (a["labels"].get("model", ""), a["labels"].get("alertname", ""))):
+        labels = a["labels"]
+        if labels.get("model") not in models:
+            continue
+        summary = (a.get("annotations") or {}).get("summary", "")
+        lines.append(f"{labels['alertname']:<32} {labels.get('severity', ''):<9} {summary}")
+    return "\n".join(lines) or f"(none firing after {wait_s:.0f}s; see {prometheus}/classic/alerts)"
+
+
 def ctl_step(stack: Stack, *args: str) -> str:
     from devstack.services import venv_root
 
@@ -124,14 +157,17 @@ def show_tour(stack: Stack, models: dict[str, dict[str, Any]]) -> None:
     _print("\n   A request for a parked or unplaceable model is refused at once, with why:\n")
     for model in ("kev-0.5b", "phi-4"):
         _print(f"    {model}: {refusal_step(a.router, model)}")
+    _print(f"\n   And the alerts that fire for them, from Prometheus's API ({a.prometheus}/api/v1/alerts):\n")
+    _print(_indent(alerts_step(a.prometheus)))
 
     _print("\n4. Where to look:\n")
     _print(f"    Consul UI          {a.consul}/ui/dc1/services/llmgw-model (each model, with its health)")
     _print(f"    watcher metrics    {a.admin}/metrics   (llmgw_model_parked, llmgw_model_unplaceable, ...)")
     _print(f"    router metrics     {a.router}/metrics")
+    _print(f"    Prometheus         {a.prometheus}/classic/alerts (the alerts; targets found in Consul)")
     _print(f"    admin API          {a.admin}/v1/admin/summary")
     _print(f"    Nomad API          {a.nomad}/v1/jobs")
-    _print(f"    logs               {stack.logs} (Consul, Nomad)")
+    _print(f"    logs               {stack.logs} (Consul, Nomad, Prometheus)")
     if stack.nomad_is_standin:
         _print(
             f"                       {stack.dir / 'nomad' / 'alloc'}/<alloc-id>/alloc/logs (watchers, router, engines)"
@@ -149,6 +185,7 @@ def show_tour(stack: Stack, models: dict[str, dict[str, Any]]) -> None:
             "llmgw ctl models kev-0.5b        # one model in full, with its last error\n"
             "curl -s $LLMGW_ROUTER_URL/v1/models\n"
             "curl -s $LLMGW_ADMIN_ADDR/metrics | grep '^llmgw_model_'\n"
+            "curl -s $PROMETHEUS_ADDR/api/v1/alerts   # the firing alerts, as Prometheus sees them\n"
             "# the on-demand copy starts on its first request (and stops after 2 idle minutes):\n"
             "curl -s $LLMGW_ROUTER_URL/v1/completions -H 'Content-Type: application/json' \\\n"
             '  -d \'{"model": "gemma-3-270m-on-demand", "prompt": "Once upon a time", "max_tokens": 24}\'\n'

@@ -119,7 +119,8 @@ job "llmgw-watcher" {
     service {
       name = "llmgw-watcher"
       port = "admin"
-      tags = ["llmgw"]
+      # Prometheus finds its targets by the metrics tag (jobs/prometheus/prometheus.yml).
+      tags = ["llmgw", "metrics"]
 
       check {
         type     = "http"

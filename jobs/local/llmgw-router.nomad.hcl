@@ -45,7 +45,8 @@ job "llmgw-router" {
     service {
       name = "llmgw-router"
       port = "http"
-      tags = ["llmgw"]
+      # Prometheus finds its targets by the metrics tag (jobs/prometheus/prometheus.yml).
+      tags = ["llmgw", "metrics"]
 
       check {
         type     = "http"
