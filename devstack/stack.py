@@ -282,9 +282,11 @@ class Stack:
         return self.addr.watchers[0] if self.addr.watchers else ""
 
     def _apply(self) -> None:
-        self.say(f"llmgw apply {self.models_file}")
+        # Asked nothing (no one is at a terminal here), and phi-4 fits nowhere on purpose.
+        flags = ["--auto-approve", "--allow-unplaceable"]
+        self.say(f"llmgw apply {' '.join(flags)} {self.models_file}")
         result = subprocess.run(
-            [str(services.venv_root() / "bin" / "llmgw"), "apply", str(self.models_file)],
+            [str(services.venv_root() / "bin" / "llmgw"), "apply", *flags, str(self.models_file)],
             env={**os.environ, **self.addr.env()},
             capture_output=True,
             text=True,

@@ -179,6 +179,7 @@ def show_tour(stack: Stack, models: dict[str, dict[str, Any]]) -> None:
     _print(f"\n   (or: source {env_file}), then try:\n")
     _print(
         _indent(
+            f"llmgw plan {stack.models_file}  # nothing to do: what is applied is what runs\n"
             "llmgw ctl status                 # the table above\n"
             "llmgw ctl summary                # the fleet: nodes, GPUs by class, parked, unplaceable\n"
             "llmgw ctl models kev-0.5b        # one model in full, with its last error\n"

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-# "operator" is the person running `llmgw apply` with their own tokens; the module ships a
+# "operator" is the person running `llmgw plan` and `llmgw apply` with their own tokens; the module ships a
 # policy for it to attach to those tokens, and creates no token for it.
 Component = Literal["watcher", "router", "node-agent", "operator"]
 COMPONENTS: tuple[Component, ...] = ("watcher", "router", "node-agent", "operator")
@@ -268,6 +268,20 @@ CALLS: dict[Component, tuple[Call, ...]] = {
         ),
         _nomad("GET", "/v1/job/<job>", "is the running job current; its replica count", _ns("read-job")),
         _nomad("POST", "/v1/job/<job>", "register a new or changed model job", _ns("submit-job")),
+        # `llmgw plan` (nomad_driver/plan.py), which `apply` runs first: the running model jobs
+        # (removed models), Nomad's plan of each changed one, the nodes' GPUs where it fits.
+        _nomad(
+            "GET", "/v1/jobs?prefix=llmgw-&meta=true", "model jobs no longer in the file", _ns("list-jobs")
+        ),
+        _nomad(
+            "POST", "/v1/job/<job>/plan", "would it fit, and what would change", _ns("submit-job", "plan-job")
+        ),
+        _nomad(
+            "GET",
+            "/v1/nodes?resources=true",
+            "the GPUs a model that fits can land on",
+            NomadGrant("node", "read"),
+        ),
     ),
 }
 
@@ -277,6 +291,7 @@ CALLS: dict[Component, tuple[Call, ...]] = {
 ADMIN_API = "the admin API only; no Nomad or Consul token"
 CLI_VERBS: dict[str, Component | str] = {
     "render": "nothing: reads the models file, writes files",
+    "plan": "operator",
     "apply": "operator",
     "watcher": "watcher",
     "router": "router",

@@ -20,8 +20,8 @@ from typing import Any
 
 from nomad_driver.consul import Consul
 from nomad_driver.nomad import Nomad
-from nomad_driver.reconcile import job_conflict, job_group, job_is_current
-from nomad_driver.render import render_job
+from nomad_driver.plan import job_to_register
+from nomad_driver.reconcile import job_conflict, job_is_current
 from nomad_driver.spec import ModelSet, parse_models, read_models_text
 from nomad_driver.state import CONFIG_MODELS_KEY
 
@@ -77,21 +77,21 @@ def register_jobs(
         if current is not None and job_is_current(current, model):
             result.unchanged.append(name)
             continue
-        job = render_job(model)
-        if current is not None:
-            # Keep the replicas it has (a router may have scaled it up, parking to 0);
-            # the watcher decides the count, apply only changes what runs.
-            _, count = job_group(current)
-            job["TaskGroups"][0]["Count"] = min(count, model.replicas_max)
-        nomad.register_job(job)
+        # Keeps the replicas it has (a router may have scaled it up, parking to 0); the
+        # watcher decides the count, apply only changes what runs. `llmgw plan` plans this job.
+        nomad.register_job(job_to_register(model, current))
         result.registered.append(name)
     return result
 
 
-def apply_file(path: str | Path, *, consul: Consul | None = None, nomad: Nomad | None = None) -> ApplyResult:
+def apply_file(
+    path: str | Path, *, consul: Consul | None = None, nomad: Nomad | None = None, text: str | None = None
+) -> ApplyResult:
     """Raises SpecError (bad file), ApplyConflict (JobNotOurs among them), ConsulError or
-    NomadError."""
-    text = read_models_text(path)
+    NomadError. `text`: the file as already read (and planned), so what is applied is what the
+    operator was shown."""
+    if text is None:
+        text = read_models_text(path)
     models = parse_models(text, str(path))
     nomad = nomad or Nomad()
     jobs = current_jobs(nomad, models)

@@ -94,6 +94,21 @@ def render(
         raise typer.Exit(1) from None
 
 
+@app.command("plan")
+def plan_command(
+    models_file: Path = typer.Argument(..., help="The models file (YAML).", show_default=False),
+    as_json: bool = typer.Option(False, "--json", help="The plan as JSON (docs/operating.md has its shape)."),
+) -> None:
+    """Show what `llmgw apply MODELS.yaml` would change and whether each change fits, touching
+    nothing. Exit codes: 0 nothing to do, 2 invalid file, 3 Nomad or Consul unreachable,
+    6 changes that all fit, 7 something fits nowhere."""
+    from nomad_driver.plan import plan_or_exit, show_plan
+
+    plan = plan_or_exit(models_file, as_json=as_json, verb="plan")
+    show_plan(plan, str(models_file), as_json=as_json)
+    raise typer.Exit(plan.exit_code)
+
+
 @app.command("router")
 def router_command(
     listen: str = typer.Option(

@@ -9,6 +9,7 @@ import os
 import secrets
 import signal
 import socket
+import sys
 import tempfile
 from pathlib import Path
 
@@ -182,15 +183,56 @@ def watcher(
     os._exit(code)
 
 
-def apply(models: Path = typer.Argument(..., exists=True, dir_okay=False, help="The models file.")) -> None:
-    """Validate MODELS.yaml, store it in Consul (llmgw/config/models) and register its jobs."""
+def _has_terminal() -> bool:
+    """Someone can answer the question: stdin and stdout are a terminal."""
+    return sys.stdin.isatty() and sys.stdout.isatty()
+
+
+def apply(
+    models: Path = typer.Argument(..., exists=True, dir_okay=False, help="The models file."),
+    auto_approve: bool = typer.Option(
+        False, "--auto-approve", help="Apply without asking (the plan is still printed)."
+    ),
+    allow_unplaceable: bool = typer.Option(
+        False,
+        "--allow-unplaceable",
+        help="Apply even when a model fits nowhere and nobody was asked (scripts, CI).",
+    ),
+) -> None:
+    """Show the plan for MODELS.yaml, then store it in Consul (llmgw/config/models) and register
+    its jobs. Asks first in a terminal; without one it applies a plan where everything fits, and
+    refuses (exit 7) one where a model fits nowhere unless --allow-unplaceable."""
     from nomad_driver.apply import ApplyConflict, apply_file
     from nomad_driver.consul import ConsulError
     from nomad_driver.nomad import NomadError
+    from nomad_driver.plan import EXIT_FITS_NOWHERE, plan_or_exit, show_plan
     from nomad_driver.spec import SpecError, problem_line
 
+    plan = plan_or_exit(models, as_json=False, verb="apply")
+    show_plan(plan, str(models), as_json=False)
+    unplaceable = [m.model for m in plan.unplaceable]
+    if _has_terminal() and not auto_approve:
+        question = "Apply these changes?"
+        if unplaceable:
+            question = (
+                f"{', '.join(unplaceable)} fit{'s' if len(unplaceable) == 1 else ''} nowhere. Apply anyway?"
+            )
+        if not typer.confirm(question, default=False):
+            typer.echo("llmgw apply: nothing applied", err=True)
+            raise typer.Exit(EXIT_REFUSED)
+    elif unplaceable and not allow_unplaceable:
+        # Nobody was asked, so nobody agreed to a model that can only wait for room: that is
+        # how a model ended up logging "no placement" for two days.
+        typer.echo(
+            f"llmgw apply: nothing applied: {', '.join(unplaceable)} "
+            f"fit{'s' if len(unplaceable) == 1 else ''} nowhere (see above); free room or change "
+            "the profile, or pass --allow-unplaceable to apply anyway",
+            err=True,
+        )
+        raise typer.Exit(EXIT_FITS_NOWHERE)
+
     try:
-        result = apply_file(models)
+        result = apply_file(models, text=plan.text)
     except SpecError as exc:
         for problem in exc.problems:
             typer.echo(problem_line(models, problem), err=True)

@@ -47,11 +47,14 @@ resource "nomad_acl_policy" "node_agent" {
 # (`nomad acl token create -policy llmgw-operator ...`). No token is made for it here.
 resource "nomad_acl_policy" "operator" {
   name        = "llmgw-operator"
-  description = "llmgw apply: reads each model job and registers the new or changed ones."
+  description = "llmgw plan and apply: lists and reads the model jobs, plans and registers the new or changed ones, reads the nodes' GPUs."
 
   rules_hcl = <<-EOT
     namespace "${var.models_namespace}" {
-      capabilities = ["read-job", "submit-job"]
+      capabilities = ["list-jobs", "read-job", "submit-job"]
+    }
+    node {
+      policy = "read"
     }
   EOT
 }

@@ -102,7 +102,7 @@ def test_every_llmgw_command_line_in_the_docs_uses_flags_that_exist(doc: Path) -
                 None,
             )
             if path is None:
-                if words[0] in {"ctl", "render", "apply", "watcher", "router", "node-agent"}:
+                if words[0] in {"ctl", "render", "plan", "apply", "watcher", "router", "node-agent"}:
                     wrong.append(f"{span.strip()!r}: no command llmgw {' '.join(words[:2])}")
                 continue
             for flag in FLAG_RE.findall(match.group(0)):

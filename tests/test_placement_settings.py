@@ -101,7 +101,9 @@ def test_a_model_without_the_pool_is_told_why_it_fits_nowhere(
     monkeypatch.delenv("NOMAD_NAMESPACE", raising=False)
     path = tmp_path / "models.yaml"
     path.write_text(models(None, "nowhere"))
-    assert CliRunner().invoke(app, ["apply", str(path)]).exit_code == 0
+    # Unplaceable on purpose: without a terminal, apply needs to be told that is intended.
+    applied = CliRunner().invoke(app, ["apply", "--allow-unplaceable", str(path)])
+    assert applied.exit_code == 0, applied.output
     nomad = Nomad(standin.url)
     job = nomad.get_job("llmgw-nowhere")
     assert job is not None and job["NodePool"] == "default"
@@ -112,6 +114,7 @@ def test_a_model_without_the_pool_is_told_why_it_fits_nowhere(
         failure.reason
         == "no node has 1 x nvidia/gpu with memory >= 20000 MiB: 1 node filtered (missing devices)"
     )
+    assert f"FITS NOWHERE: 1 replica: {failure.reason}" in applied.output, "the plan said it first"
     assert not placed_on(nomad, "llmgw-nowhere")
 
 

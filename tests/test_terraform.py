@@ -325,9 +325,16 @@ def test_every_cli_verb_says_whose_grants_it_runs_with() -> None:
 
 def test_apply_reads_each_job_before_registering_it_and_the_operator_policy_allows_both() -> None:
     calls = {(c.method, c.path) for c in acl.CALLS["operator"] if c.system == "nomad"}
-    assert calls == {("GET", "/v1/job/<job>"), ("POST", "/v1/job/<job>")}
+    assert calls == {
+        ("GET", "/v1/job/<job>"),
+        ("POST", "/v1/job/<job>"),
+        # `llmgw plan`, which `apply` runs first.
+        ("GET", "/v1/jobs?prefix=llmgw-&meta=true"),
+        ("POST", "/v1/job/<job>/plan"),
+        ("GET", "/v1/nodes?resources=true"),
+    }
     policy, _ = acl.nomad_policy(policies("nomad_acl_policy", "rules_hcl")["operator"])
-    assert policy.capabilities["default"] == {"read-job", "submit-job"}
+    assert policy.capabilities["default"] == {"list-jobs", "read-job", "submit-job"}
 
 
 def with_rules(parsed: dict[str, Any], text: str) -> dict[str, Any]:
@@ -791,6 +798,8 @@ def test_every_consul_and_nomad_call_in_the_code_is_in_the_acl_table() -> None:
             if rel.parts[0] == "router"
             else "node-agent"
             if path.name == "node_agent.py"
+            else "operator"
+            if path.name == "plan.py"  # `llmgw plan` and `apply`, with the operator's tokens
             else "watcher"
         )
         for method, pattern, line in api_calls_in(path):

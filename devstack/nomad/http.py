@@ -26,6 +26,7 @@ from devstack.nomad.httpbase import (
     read_body,
     write_response,
 )
+from devstack.nomad.jobplan import job_plan
 from devstack.nomad.nodes import NOMAD_VERSION, node_stub
 from devstack.nomad.server import ApiError, NomadServer
 from devstack.nomad.streams import EVENT_HEARTBEAT_S, event_stream, fs_logs
@@ -177,6 +178,7 @@ _JOB_SUFFIXES: list[tuple[str, Any]] = [
     ("/summary", _job_summary),
     ("/scale", _job_scale),
     ("/versions", _job_versions),
+    ("/plan", job_plan),
 ]
 
 

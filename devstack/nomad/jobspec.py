@@ -2,10 +2,10 @@
 does on the client side before it registers).
 
 Nomad's own parser (jobspec2) evaluates the full HCL2 language. This one covers what llmgw's
-jobspecs and rendered jobs use: `variable` blocks with defaults, `var.x` references, string
-templates over variables, `coalesce()`, and the job, group, task, network, service, check,
-restart, reschedule, update, constraint, affinity, device, artifact, template, env, meta and
-resources blocks. Runtime interpolations (`${attr.*}`, `${meta.*}`, `${NOMAD_*}`) are left for
+jobspecs and rendered jobs use, and what `nomad init` writes: `variable` blocks with defaults,
+`var.x` references, string templates over variables, `coalesce()`, and the job, group, task,
+network, service, check, restart, reschedule, update, migrate, scaling, identity, ui,
+constraint, affinity, device, artifact, template, env, meta and resources blocks. Runtime interpolations (`${attr.*}`, `${meta.*}`, `${NOMAD_*}`) are left for
 the client, as Nomad does. Anything outside that subset is an error naming the block, never
 silently dropped.
 """
@@ -154,6 +154,8 @@ _KNOWN = {
         "affinity",
         "update",
         "reschedule",
+        "migrate",
+        "ui",
     },
     "group": {
         "count",
@@ -168,6 +170,7 @@ _KNOWN = {
         "meta",
         "ephemeral_disk",
         "scaling",
+        "migrate",
     },
     "task": {
         "driver",
@@ -184,12 +187,47 @@ _KNOWN = {
         "user",
         "restart",
         "identity",
+        "shutdown_delay",
     },
+}
+
+# The attributes each small block may have (Nomad's `hcl:"..."` tags in api/); anything else is
+# refused by name rather than left out of the answer.
+_BLOCK_KEYS = {
+    "restart": {"attempts", "interval", "delay", "mode", "render_templates"},
+    "reschedule": {"attempts", "interval", "delay", "delay_function", "max_delay", "unlimited"},
+    "update": {
+        "stagger",
+        "max_parallel",
+        "health_check",
+        "min_healthy_time",
+        "healthy_deadline",
+        "progress_deadline",
+        "canary",
+        "auto_revert",
+        "auto_promote",
+    },
+    "migrate": {"max_parallel", "health_check", "min_healthy_time", "healthy_deadline"},
+    "scaling": {"min", "max", "enabled", "type", "policy"},
+    "identity": {
+        "name",
+        "aud",
+        "change_mode",
+        "change_signal",
+        "env",
+        "file",
+        "filepath",
+        "service_name",
+        "ttl",
+        "extra_claims",
+    },
+    "ui": {"description", "link"},
+    "link": {"label", "url"},
 }
 
 
 def _check_keys(kind: str, body: Json, where: str) -> None:
-    unknown = {k for k in body if not k.startswith("__")} - _KNOWN[kind]
+    unknown = {k for k in body if not k.startswith("__")} - (_KNOWN.get(kind) or _BLOCK_KEYS[kind])
     if unknown:
         raise JobspecError(
             f"{where}: {kind} has {', '.join(sorted(unknown))}, which the stand-in's parser does not support"
@@ -216,39 +254,96 @@ class _Converter:
             out.append(item)
         return out
 
+    def _d(self, block: Json, key: str, where: str) -> int | None:
+        return duration_ns(self.v(block, key, where), f"{where}.{key}") if key in block else None
+
     def restart(self, block: Json, where: str) -> Json:
+        _check_keys("restart", block, where)
         return {
             "Attempts": self.v(block, "attempts", where),
-            "Interval": duration_ns(self.v(block, "interval", where), where) if "interval" in block else None,
-            "Delay": duration_ns(self.v(block, "delay", where), where) if "delay" in block else None,
+            "Interval": self._d(block, "interval", where),
+            "Delay": self._d(block, "delay", where),
             "Mode": self.v(block, "mode", where),
-            "RenderTemplates": None,
+            "RenderTemplates": self.v(block, "render_templates", where),
         }
 
     def reschedule(self, block: Json, where: str) -> Json:
-        def d(key: str) -> int | None:
-            return duration_ns(self.v(block, key, where), where) if key in block else None
-
+        _check_keys("reschedule", block, where)
         return {
             "Attempts": self.v(block, "attempts", where),
-            "Interval": d("interval"),
-            "Delay": d("delay"),
+            "Interval": self._d(block, "interval", where),
+            "Delay": self._d(block, "delay", where),
             "DelayFunction": self.v(block, "delay_function", where),
-            "MaxDelay": d("max_delay"),
+            "MaxDelay": self._d(block, "max_delay", where),
             "Unlimited": self.v(block, "unlimited", where),
         }
 
     def update(self, block: Json, where: str) -> Json:
-        def d(key: str) -> int | None:
-            return duration_ns(self.v(block, key, where), where) if key in block else None
+        _check_keys("update", block, where)
+        return {
+            "Stagger": self._d(block, "stagger", where),
+            "MaxParallel": self.v(block, "max_parallel", where),
+            "HealthCheck": self.v(block, "health_check", where),
+            "MinHealthyTime": self._d(block, "min_healthy_time", where),
+            "HealthyDeadline": self._d(block, "healthy_deadline", where),
+            "ProgressDeadline": self._d(block, "progress_deadline", where),
+            "Canary": self.v(block, "canary", where),
+            "AutoRevert": self.v(block, "auto_revert", where),
+            "AutoPromote": self.v(block, "auto_promote", where),
+        }
 
+    def migrate(self, block: Json, where: str) -> Json:
+        _check_keys("migrate", block, where)
         return {
             "MaxParallel": self.v(block, "max_parallel", where),
             "HealthCheck": self.v(block, "health_check", where),
-            "MinHealthyTime": d("min_healthy_time"),
-            "HealthyDeadline": d("healthy_deadline"),
-            "AutoRevert": self.v(block, "auto_revert", where),
+            "MinHealthyTime": self._d(block, "min_healthy_time", where),
+            "HealthyDeadline": self._d(block, "healthy_deadline", where),
         }
+
+    def scaling(self, block: Json, where: str) -> Json:
+        """A group's `scaling` block (`api.ScalingPolicy`); its `policy` is the autoscaler's,
+        passed through as a map."""
+        _check_keys("scaling", block, where)
+        policy: Json | None = None
+        for _, p in _blocks(block, "policy"):
+            policy = {**(policy or {}), **self.ev.value(p, f"{where}.policy")}
+        return {
+            "Min": self.v(block, "min", where),
+            "Max": self.v(block, "max", where),
+            "Policy": policy,
+            "Enabled": self.v(block, "enabled", where),
+            "Type": self.v(block, "type", where, ""),
+        }
+
+    def identity(self, block: Json, where: str) -> Json:
+        _check_keys("identity", block, where)
+        return {
+            "Name": self.v(block, "name", where, ""),
+            "Audience": self.v(block, "aud", where),
+            "ChangeMode": self.v(block, "change_mode", where, ""),
+            "ChangeSignal": self.v(block, "change_signal", where, ""),
+            "Env": self.v(block, "env", where, False),
+            "File": self.v(block, "file", where, False),
+            "Filepath": self.v(block, "filepath", where, ""),
+            "ServiceName": self.v(block, "service_name", where, ""),
+            "TTL": self._d(block, "ttl", where) or 0,
+            "ExtraClaims": self.v(block, "extra_claims", where),
+        }
+
+    def ui(self, block: Json, where: str) -> Json:
+        _check_keys("ui", block, where)
+        links = []
+        for _, link in _blocks(block, "link"):
+            _check_keys("link", link, f"{where}.link")
+            links.append({"Label": self.v(link, "label", where, ""), "URL": self.v(link, "url", where, "")})
+        return {"Description": self.v(block, "description", where, ""), "Links": links or None}
+
+    def _one(self, body: Json, key: str, where: str, convert: Any) -> Json | None:
+        blocks = _blocks(body, key)
+        if len(blocks) > 1:
+            raise JobspecError(f"{where}: only one {key} block is allowed")
+        return convert(blocks[0][1], f"{where}.{key}") if blocks else None
 
     def service(self, block: Json, where: str) -> Json:
         checks = []
@@ -338,10 +433,20 @@ class _Converter:
             "Meta": self._map(body, "meta", where),
             "Constraints": self.constraints(body, where) or None,
             "Services": [self.service(b, f"{where}.service") for _, b in _blocks(body, "service")] or None,
-            "KillTimeout": duration_ns(self.v(body, "kill_timeout", where), where)
-            if "kill_timeout" in body
-            else None,
+            "KillTimeout": self._d(body, "kill_timeout", where),
+            "Affinities": self.constraints(body, where, "affinity") or None,
+            "RestartPolicy": self._one(body, "restart", where, self.restart),
+            "ShutdownDelay": self._d(body, "shutdown_delay", where),
+            **self.identities(body, where),
         }
+
+    def identities(self, body: Json, where: str) -> Json:
+        """jobspec2 moves the default identity (no name, or "default") to `Identity` and keeps
+        the named ones in `Identities`."""
+        found = [self.identity(b, f"{where}.identity") for _, b in _blocks(body, "identity")]
+        default = next((i for i in found if i["Name"] in ("", "default")), None)
+        rest = [i for i in found if i is not default]
+        return {"Identity": default, "Identities": rest or None}
 
     def group(self, name: str, body: Json, where: str) -> Json:
         _check_keys("group", body, where)
@@ -380,10 +485,12 @@ class _Converter:
             ("restart", "RestartPolicy", self.restart),
             ("reschedule", "ReschedulePolicy", self.reschedule),
             ("update", "Update", self.update),
+            ("migrate", "Migrate", self.migrate),
+            ("scaling", "Scaling", self.scaling),
         ):
-            blocks = _blocks(body, key)
-            if blocks:
-                group[field] = convert(blocks[0][1], f"{where}.{key}")
+            converted = self._one(body, key, where, convert)
+            if converted is not None:
+                group[field] = converted
         for _, block in _blocks(body, "ephemeral_disk"):
             group["EphemeralDisk"] = {"SizeMB": self.v(block, "size", where, 300)}
         return group
@@ -406,6 +513,12 @@ class _Converter:
             "TaskGroups": [
                 self.group(label or "", b, f"{where}.group.{label}") for label, b in _blocks(body, "group")
             ],
+            # At job level these are the defaults the groups inherit when canonicalised; parsed
+            # alone they stay here, as Nomad's parser leaves them.
+            "Update": self._one(body, "update", where, self.update),
+            "Reschedule": self._one(body, "reschedule", where, self.reschedule),
+            "Migrate": self._one(body, "migrate", where, self.migrate),
+            "UI": self._one(body, "ui", where, self.ui),
         }
         return {k: v for k, v in job.items() if v is not None}
 

@@ -71,6 +71,7 @@ def new_eval(job: Json, triggered_by: str, now_ns: int, **fields: Any) -> Json:
         "PlanAnnotations": None,
         "ClassEligibility": None,
         "QuotaLimitReached": "",
+        "MissingNonNodeResources": None,
         "EscapedComputedClass": False,
         "AnnotatePlan": False,
         "QueuedAllocations": None,

@@ -113,3 +113,242 @@ def test_parse_errors(standin: StandIn) -> None:
     undeclared = parse(standin, {"JobHCL": 'job "x" {\n}\n', "Variables": 'nope = "1"\n'})
     assert undeclared.status_code == 400 and "nope" in undeclared.text
     assert httpx.get(f"{standin.url}/v1/jobs/parse").status_code == 405
+
+
+# The blocks and attributes `nomad init` writes into its example job (command/asset/
+# example.nomad.hcl): a job-level update, migrate and ui, a group with network, service, restart
+# and ephemeral_disk, and a docker task with an identity and a shutdown delay.
+INIT_EXAMPLE = """
+job "example" {
+  datacenters = ["*"]
+  type = "service"
+
+  update {
+    max_parallel      = 1
+    min_healthy_time  = "10s"
+    healthy_deadline  = "3m"
+    progress_deadline = "10m"
+    auto_revert       = false
+    canary            = 0
+  }
+
+  migrate {
+    max_parallel     = 1
+    health_check     = "checks"
+    min_healthy_time = "10s"
+    healthy_deadline = "5m"
+  }
+
+  ui {
+    description = "An *example* job"
+    link {
+      label = "Docs"
+      url   = "https://example.com/docs"
+    }
+  }
+
+  group "cache" {
+    count = 1
+
+    network {
+      port "db" {
+        to = 6379
+      }
+    }
+
+    service {
+      name     = "cache"
+      tags     = ["cache"]
+      port     = "db"
+      provider = "nomad"
+    }
+
+    restart {
+      attempts = 2
+      interval = "30m"
+      delay    = "15s"
+      mode     = "fail"
+    }
+
+    ephemeral_disk {
+      size = 300
+    }
+
+    task "redis" {
+      driver = "docker"
+
+      config {
+        image          = "redis:7"
+        ports          = ["db"]
+        auth_soft_fail = true
+      }
+
+      shutdown_delay = "10s"
+
+      identity {
+        env  = true
+        file = true
+      }
+
+      resources {
+        cpu    = 500 # MHz
+        memory = 256 # MB
+      }
+    }
+  }
+}
+"""
+S = 1_000_000_000
+
+
+def test_nomad_init_example_parses_with_every_block(standin: StandIn) -> None:
+    response = parse(standin, {"JobHCL": INIT_EXAMPLE})
+    assert response.status_code == 200, response.text
+    job = response.json()
+    assert job["Update"] == {
+        "Stagger": None,
+        "MaxParallel": 1,
+        "HealthCheck": None,
+        "MinHealthyTime": 10 * S,
+        "HealthyDeadline": 180 * S,
+        "ProgressDeadline": 600 * S,
+        "Canary": 0,
+        "AutoRevert": False,
+        "AutoPromote": None,
+    }
+    assert job["Migrate"] == {
+        "MaxParallel": 1,
+        "HealthCheck": "checks",
+        "MinHealthyTime": 10 * S,
+        "HealthyDeadline": 300 * S,
+    }
+    assert job["UI"] == {
+        "Description": "An *example* job",
+        "Links": [{"Label": "Docs", "URL": "https://example.com/docs"}],
+    }
+    (group,) = job["TaskGroups"]
+    # Parsed alone, the job's update stays the job's: the group has none of its own.
+    assert "Update" not in group
+    assert group["RestartPolicy"] == {
+        "Attempts": 2,
+        "Interval": 1800 * S,
+        "Delay": 15 * S,
+        "Mode": "fail",
+        "RenderTemplates": None,
+    }
+    (task,) = group["Tasks"]
+    assert task["ShutdownDelay"] == 10 * S
+    assert task["Identity"]["Env"] is True and task["Identity"]["File"] is True
+    assert task["Identities"] is None
+    assert group["Networks"][0]["DynamicPorts"] == [{"Label": "db", "Value": 0, "To": 6379}]
+
+    canonical = parse(standin, {"JobHCL": INIT_EXAMPLE, "Canonicalize": True}).json()
+    update = canonical["TaskGroups"][0]["Update"]
+    # Canonicalised, each group inherits the job's update over Nomad's defaults.
+    assert (update["ProgressDeadline"], update["HealthyDeadline"], update["HealthCheck"]) == (
+        600 * S,
+        180 * S,
+        "checks",
+    )
+    assert canonical["TaskGroups"][0]["Migrate"]["HealthyDeadline"] == 300 * S
+
+
+BLOCKS = """
+job "blocks" {
+  reschedule {
+    attempts  = 3
+    interval  = "1h"
+    unlimited = false
+  }
+  group "g" {
+    scaling {
+      min     = 0
+      max     = 4
+      enabled = false
+      policy {
+        cooldown = "1m"
+      }
+    }
+    task "t" {
+      driver = "mock_driver"
+      restart {
+        attempts = 0
+        mode     = "fail"
+      }
+      identity {
+        name = "vault_default"
+        aud  = ["vault.io"]
+        ttl  = "1h"
+      }
+      affinity {
+        attribute = "${node.class}"
+        value     = "h100"
+        weight    = 40
+      }
+    }
+  }
+}
+"""
+
+
+def test_blocks_that_were_dropped_are_parsed_into_nomads_json(standin: StandIn) -> None:
+    response = parse(standin, {"JobHCL": BLOCKS})
+    assert response.status_code == 200, response.text
+    job = response.json()
+    assert job["Reschedule"] == {
+        "Attempts": 3,
+        "Interval": 3600 * S,
+        "Delay": None,
+        "DelayFunction": None,
+        "MaxDelay": None,
+        "Unlimited": False,
+    }
+    group = job["TaskGroups"][0]
+    assert group["Scaling"] == {
+        "Min": 0,
+        "Max": 4,
+        "Policy": {"cooldown": "1m"},
+        "Enabled": False,
+        "Type": "",
+    }
+    task = group["Tasks"][0]
+    assert task["RestartPolicy"] == {
+        "Attempts": 0,
+        "Interval": None,
+        "Delay": None,
+        "Mode": "fail",
+        "RenderTemplates": None,
+    }
+    assert task["Identity"] is None
+    (named,) = task["Identities"]
+    assert (named["Name"], named["Audience"], named["TTL"]) == ("vault_default", ["vault.io"], 3600 * S)
+    assert task["Affinities"] == [
+        {"LTarget": "${node.class}", "RTarget": "h100", "Operand": "=", "Weight": 40}
+    ]
+
+    canonical = parse(standin, {"JobHCL": BLOCKS, "Canonicalize": True}).json()
+    policy = canonical["TaskGroups"][0]["ReschedulePolicy"]
+    assert (policy["Attempts"], policy["Interval"], policy["Unlimited"]) == (3, 3600 * S, False)
+    task = canonical["TaskGroups"][0]["Tasks"][0]
+    # A task's restart is merged over its group's, as the API's Canonicalize does.
+    assert (task["RestartPolicy"]["Attempts"], task["RestartPolicy"]["Delay"]) == (0, 15 * S)
+
+
+@pytest.mark.parametrize(
+    ("hcl", "named"),
+    [
+        ('job "x" {\n  update {\n    max_paralel = 2\n  }\n}\n', "update has max_paralel"),
+        ('job "x" {\n  vault {\n  }\n}\n', "job has vault"),
+        ('job "x" {\n group "g" {\n  scaling {\n   minimum = 1\n  }\n }\n}\n', "scaling has minimum"),
+        (
+            'job "x" {\n group "g" {\n  task "t" {\n   identity {\n    audience = ["a"]\n   }\n  }\n }\n}\n',
+            "identity has audience",
+        ),
+        ('job "x" {\n group "g" {\n  task "t" {\n   csi_plugin {\n   }\n  }\n }\n}\n', "task has csi_plugin"),
+        ('job "x" {\n  update {\n  }\n  update {\n  }\n}\n', "only one update block"),
+    ],
+)
+def test_what_the_parser_does_not_know_is_refused_by_name(standin: StandIn, hcl: str, named: str) -> None:
+    response = parse(standin, {"JobHCL": hcl})
+    assert response.status_code == 400, response.text
+    assert response.text.startswith("Failed to parse job: ") and named in response.text
