@@ -66,7 +66,9 @@ class ActivityRecorder:
         on_model = self._open.setdefault(model, {})
         on_model[replica] = on_model.get(replica, 0) + 1
 
-    def end(self, model: str, replica: str) -> None:
+    def end(self, model: str, replica: str, *, demand: bool = True) -> None:
+        """`demand=False` for a wait that ended without a replica (refused, or the client
+        left): an answer of "unplaceable" or "parked" must not keep the model asked for."""
         on_model = self._open.get(model)
         if on_model is not None:
             left = on_model.get(replica, 0) - 1
@@ -77,7 +79,8 @@ class ActivityRecorder:
                 if not on_model:
                     del self._open[model]
         # The idle clock starts now, not when the request began.
-        self.touch(model)
+        if demand:
+            self.touch(model)
 
     def in_flight(self) -> dict[str, Any]:
         """The in-flight key's value as of now."""

@@ -261,13 +261,15 @@ class RouterApp:
                 # Waiting for a replica is in flight too: the watcher must not stop the one
                 # being started for it.
                 self.activity.begin(model, WAITING)
+                served = False
                 try:
                     if request.get("stream") is True:
                         await self._wait_streaming(client, model, snapshot, arrived)
                     else:
                         await self._without_replica(model, snapshot, arrived)
+                    served = True
                 finally:
-                    self.activity.end(model, WAITING)
+                    self.activity.end(model, WAITING, demand=served)
             outcome.label = model
             self.activity.touch(model)
             outcome.status = await self._forward(client, path, model, body, request, session_header, arrived)
