@@ -189,6 +189,20 @@ def test_a_new_version_cancels_the_running_deployment_and_a_stop_cancels_its_own
     assert stopped["StatusDescription"] == "Cancelled because job is stopped"
 
 
+def test_opting_out_later_cancels_the_deployment_and_replaces_nothing(api: Api) -> None:
+    api.register(mock_job("late", count=1, **SLOW))
+    running = api.deployment_with("late", "running")
+    (before,) = live_allocs(api.client, "late")
+    result = api.register(mock_job("late", count=1, **NO_DEPLOYMENTS))
+    eval_done(api.client, result["EvalID"])
+    cancelled = api.get(f"/v1/deployment/{running['ID']}")
+    assert cancelled["StatusDescription"] == "Cancelled due to newer version of job"
+    assert api.get("/v1/job/late/deployments")[0]["ID"] == running["ID"]  # no new one
+    (after,) = live_allocs(api.client, "late")
+    assert after["ID"] == before["ID"] and after["JobVersion"] == 1  # updated in place
+    assert api.scale("late", 2).status_code == 200
+
+
 def test_the_progress_deadline_fails_a_deployment_whose_allocations_never_turn_healthy(api: Api) -> None:
     crash = mock_job(
         "crash",
