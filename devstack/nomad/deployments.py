@@ -418,10 +418,19 @@ class HealthWatcher:
         self._passing_since.pop(alloc["ID"], None)
 
     async def _run(self) -> None:
+        # Nomad reads check statuses once a second of its clock; never faster than the poll.
+        check_every = max(POLL_REAL_SECONDS, 1.0 / self.clock.speed)
+        checks_read = 0.0
+        loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(POLL_REAL_SECONDS)
             try:
-                if self._tracking and self.refresh_checks is not None:
+                if (
+                    self._tracking
+                    and self.refresh_checks is not None
+                    and loop.time() - checks_read >= check_every
+                ):
+                    checks_read = loop.time()
                     await self.refresh_checks()
                 self.tick()
             except Exception:
@@ -448,7 +457,15 @@ class HealthWatcher:
         self._passing_since.pop(alloc_id, None)
 
     def _judge(self, alloc: Json, now: int, deadline: int, min_healthy: int, use_checks: bool) -> bool | None:
-        states = alloc.get("TaskStates") or {}
+        hooks = _lifecycle_hooks(alloc)
+        states = {
+            name: state
+            for name, state in (alloc.get("TaskStates") or {}).items()
+            # A poststop task waits for the others; a prestart or poststart task that finished
+            # well has done its job (allochealth tracker `watchTaskEvents`).
+            if hooks.get(name) != "poststop"
+            and not (hooks.get(name) in ("prestart", "poststart") and _finished_well(state))
+        }
         if alloc["ClientStatus"] == "failed" or any(
             s.get("Failed") or parse_rfc3339_ns(s.get("FinishedAt")) for s in states.values()
         ):
@@ -521,6 +538,24 @@ class HealthWatcher:
                     self.store.upsert_deployment(with_status(deployment, FAILED, DESC_PROGRESS_DEADLINE, now))
                     self.submit_eval(self.store.deployments[deployment["ID"]], "deployment-watcher")
                     break
+
+
+def _lifecycle_hooks(alloc: Json) -> dict[str, str]:
+    """Task name -> lifecycle hook, for tasks that are not sidecars."""
+    job = alloc.get("Job") or {}
+    group: Json = next(
+        (g for g in job.get("TaskGroups") or [] if g.get("Name") == alloc.get("TaskGroup")), {}
+    )
+    hooks: dict[str, str] = {}
+    for task in group.get("Tasks") or []:
+        lifecycle = task.get("Lifecycle") or {}
+        if lifecycle.get("Hook") and not lifecycle.get("Sidecar"):
+            hooks[str(task.get("Name"))] = str(lifecycle["Hook"])
+    return hooks
+
+
+def _finished_well(state: Json) -> bool:
+    return state.get("State") == "dead" and not state.get("Failed")
 
 
 def _has_checks(group: Json) -> bool:
