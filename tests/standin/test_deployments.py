@@ -5,6 +5,7 @@ words, the deployment endpoints, and `Job.Scale` refused while one is active."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable
@@ -275,6 +276,22 @@ def test_a_rolling_update_replaces_max_parallel_allocations_at_a_time(api: Api) 
     assert finished["ID"] == second["ID"] and finished["TaskGroups"]["g"]["HealthyAllocs"] == 3
     assert max(seen_new) == 1
     assert {a["JobVersion"] for a in live_allocs(api.client, "roll")} == {1}
+
+
+def test_deployment_changes_are_events_on_the_deployment_topic(api: Api) -> None:
+    api.register(mock_job("ev", count=1))
+    done = api.deployment_with("ev", "successful")
+    params = {"topic": "Deployment", "index": "1"}
+    seen: list[dict[str, Any]] = []
+    with requests.get(f"{api.url}/v1/event/stream", params=params, stream=True, timeout=10) as reply:
+        for line in reply.iter_lines():
+            seen.extend(json.loads(line).get("Events") or [])
+            if any(e["Payload"]["Deployment"]["Status"] == "successful" for e in seen):
+                break
+    assert {(e["Topic"], e["Type"], e["Key"]) for e in seen} == {
+        ("Deployment", "DeploymentStatusUpdate", done["ID"])
+    }
+    assert seen[0]["Payload"]["Deployment"]["Status"] == "running"
 
 
 def test_deployment_reads_are_blocking_queries(api: Api) -> None:
