@@ -329,19 +329,26 @@ class NomadServer:
         events = self.store.scaling_events.get((ns, job_id), [])
         groups: Json = {}
         for group in job["TaskGroups"]:
-            mine = [a for a in allocs if a["TaskGroup"] == group["Name"] and a["DesiredStatus"] == "run"]
-            current = [a for a in mine if (a.get("Job") or {}).get("Version") == job["Version"]]
+            # `Job.ScaleStatus`: the group's allocations that are not terminal, health as their
+            # DeploymentStatus says (set with or without a deployment), canaries left out.
+            mine = [
+                a
+                for a in allocs
+                if a["TaskGroup"] == group["Name"]
+                and a["DesiredStatus"] == "run"
+                and a["ClientStatus"] not in TERMINAL_CLIENT
+                and not (a.get("DeploymentStatus") or {}).get("Canary")
+            ]
+            health = [(a.get("DeploymentStatus") or {}).get("Healthy") for a in mine]
             group_events = [
                 {k: v for k, v in e.items() if k != "Group"} for e in events if e["Group"] == group["Name"]
             ]
             groups[group["Name"]] = {
                 "Desired": group["Count"],
-                # Nomad takes Placed/Healthy/Unhealthy from the job's deployment; the stand-in has
-                # no deployments and counts the current version's allocations instead.
-                "Placed": sum(1 for a in current if a["ClientStatus"] not in ("complete", "lost")),
+                "Placed": len(mine),
                 "Running": sum(1 for a in mine if a["ClientStatus"] == "running"),
-                "Healthy": sum(1 for a in current if a["ClientStatus"] == "running"),
-                "Unhealthy": sum(1 for a in current if a["ClientStatus"] == "failed"),
+                "Healthy": sum(1 for h in health if h is True),
+                "Unhealthy": sum(1 for h in health if h is False),
                 "Events": list(reversed(group_events)) or None,
             }
         return {

@@ -116,6 +116,14 @@ def test_a_service_job_without_an_update_block_deploys_and_succeeds_once_healthy
     assert all(set(s) == ALLOC_DEPLOYMENT_STATUS_FIELDS for s in statuses)
     assert all(s["Healthy"] is True and s["Canary"] is False and s["ModifyIndex"] > 0 for s in statuses)
     assert api.get("/v1/job/web")["Stable"] is True
+    scale_status = api.get("/v1/job/web/scale")["TaskGroups"]["g"]
+    assert {k: scale_status[k] for k in ("Desired", "Placed", "Running", "Healthy", "Unhealthy")} == {
+        "Desired": 2,
+        "Placed": 2,
+        "Running": 2,
+        "Healthy": 2,
+        "Unhealthy": 0,
+    }
     members = api.get(f"/v1/deployment/allocations/{done['ID']}")
     assert {a["ID"] for a in members} == {a["ID"] for a in allocs}
     assert [d["ID"] for d in api.get("/v1/deployments")] == [done["ID"]]
