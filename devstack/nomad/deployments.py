@@ -377,8 +377,8 @@ class HealthWatcher:
         # alloc ID -> (checks registered, their statuses), None without Consul.
         self.check_statuses = check_statuses
         self.refresh_checks = refresh_checks
-        # alloc ID -> (deadline, min healthy time, use checks)
-        self._tracking: dict[str, tuple[int, int, bool]] = {}
+        # alloc ID -> (deadline, min healthy time, use checks, lifecycle hooks of its tasks)
+        self._tracking: dict[str, tuple[int, int, bool, dict[str, str]]] = {}
         self._passing_since: dict[str, int] = {}
         self._task: asyncio.Task[None] | None = None
 
@@ -414,6 +414,7 @@ class HealthWatcher:
             now + int(strategy.get("HealthyDeadline") or 0),
             int(strategy.get("MinHealthyTime") or 0),
             strategy.get("HealthCheck") == "checks" and _has_checks(group),
+            _lifecycle_hooks(alloc),
         )
         self._passing_since.pop(alloc["ID"], None)
 
@@ -439,12 +440,12 @@ class HealthWatcher:
     def tick(self) -> None:
         now = self.clock.now_ns()
         verdicts: list[tuple[Json, bool]] = []
-        for alloc_id, (deadline, min_healthy, use_checks) in list(self._tracking.items()):
+        for alloc_id, (deadline, min_healthy, use_checks, hooks) in list(self._tracking.items()):
             alloc = self.store.allocs.get(alloc_id)
             if alloc is None or alloc["DesiredStatus"] != "run" or has_health(alloc):
                 self._forget(alloc_id)
                 continue
-            verdict = self._judge(alloc, now, deadline, min_healthy, use_checks)
+            verdict = self._judge(alloc, now, deadline, min_healthy, use_checks, hooks)
             if verdict is not None:
                 self._forget(alloc_id)
                 verdicts.append((alloc, verdict))
@@ -456,8 +457,9 @@ class HealthWatcher:
         self._tracking.pop(alloc_id, None)
         self._passing_since.pop(alloc_id, None)
 
-    def _judge(self, alloc: Json, now: int, deadline: int, min_healthy: int, use_checks: bool) -> bool | None:
-        hooks = _lifecycle_hooks(alloc)
+    def _judge(
+        self, alloc: Json, now: int, deadline: int, min_healthy: int, use_checks: bool, hooks: dict[str, str]
+    ) -> bool | None:
         states = {
             name: state
             for name, state in (alloc.get("TaskStates") or {}).items()
