@@ -223,3 +223,22 @@ def test_malformed_state_is_replaced() -> None:
 def test_reconcile_twice_asks_for_the_same_steps() -> None:
     v = view(allocs=tuple(crashed(f"a{i}", 10 + i * 10) for i in range(2)))
     assert reconcile(v).actions == reconcile(v).actions
+
+
+def test_a_job_that_still_makes_deployments_is_registered_again_even_when_parking() -> None:
+    """A model job from before the opt-out has Nomad's default strategy (max_parallel 1): Nomad
+    would refuse to scale it while a deployment runs, so it is registered again (which Nomad
+    never refuses), with the count the model should have, parked or not. Should the Park's scale
+    be refused, the registration at 0 still stops the model, and the next pass parks it."""
+    old = job(KEV, 1)
+    old["TaskGroups"][0]["Update"] = {"MaxParallel": 1, "HealthyDeadline": 300_000_000_000}
+    d = reconcile(view(job=old))
+    assert [type(a) for a in d.actions if not isinstance(a, WriteState)] == [RegisterJob]
+
+    crashing = reconcile(view(job=old, allocs=[crashed(f"a{i}", 10 + i * 10) for i in range(5)]))
+    (register,) = [a for a in crashing.actions if isinstance(a, RegisterJob)]
+    assert register.count == 0 and crashing.state.parked
+
+    opted_out = job(KEV, 1)
+    opted_out["TaskGroups"][0]["Update"] = {"MaxParallel": 0}
+    assert not any(isinstance(a, RegisterJob | Scale) for a in reconcile(view(job=opted_out)).actions)

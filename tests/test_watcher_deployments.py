@@ -199,6 +199,30 @@ async def test_a_model_job_from_before_the_opt_out_is_registered_again_in_place(
     world.nomad.scale(model.job_id, "engine", 2, "llmgw: scaling is not blocked now")
 
 
+async def test_a_crash_looping_model_job_from_before_the_opt_out_is_still_parked(
+    world_factory: Callable[..., Awaitable[World]],
+) -> None:
+    """The upgrade while a model crash-loops inside a deployment: the scale that parks it may be
+    refused once, but the job is registered again at count 0 without deployments in the same
+    pass, and the next pass parks it."""
+    text = models_text(crash=("file:///tmp/crash.gguf", "cpu", 1))
+    model = parse_models(text).models["crash"]
+    world = await world_factory(text)
+    job = mock_job(model, 1, run_for="1s", exit_code=1)
+    del job["TaskGroups"][0]["Update"]
+    world.nomad.register_job(job)
+    world.deployment_running(model.job_id)
+    await world.watcher.start()
+
+    state = await until(lambda: _parked(world, "crash"), 90, "crash parked", every=0.05)
+    assert state.consecutive_failures >= 5
+    current = world.nomad.get_job(model.job_id)
+    assert current is not None and current["TaskGroups"][0]["Count"] == 0
+    assert current["TaskGroups"][0]["Update"]["MaxParallel"] == 0
+    latest = deployment(world.standin.url, model.job_id)
+    assert latest is not None and latest["Status"] == "cancelled"
+
+
 async def test_an_on_demand_model_activates_and_idles_back_to_zero_while_deployments_run(
     world_factory: Callable[..., Awaitable[World]],
 ) -> None:
