@@ -287,8 +287,14 @@ def plan_deployment(
         and not (a["DesiredStatus"] != "run" and a["ClientStatus"] in ("complete", "failed", "lost"))
     ]
     placed_by_group = _by_group(placed)
+    # In-place updates: allocations moved to this version (not those only given a follow-up).
     inplace_by_group = _by_group(
-        [a for a in updated if (a.get("Job") or {}).get("Version") == job["Version"]]
+        [
+            a
+            for a in updated
+            if (a.get("Job") or {}).get("Version") == job["Version"]
+            and ((store.allocs.get(a["ID"]) or {}).get("Job") or {}).get("Version") != job["Version"]
+        ]
     )
     replaced = {a["TaskGroup"] for a in stopped if a.get("DesiredDescription") == _DESC_UPDATING}
     created: Json | None = None
