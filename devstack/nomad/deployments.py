@@ -451,6 +451,12 @@ class HealthWatcher:
             if alloc is None or alloc["DesiredStatus"] != "run" or has_health(alloc):
                 self._forget(alloc_id)
                 continue
+            if not alloc.get("DeploymentID") and alloc["ClientStatus"] in ("complete", "failed", "lost"):
+                # Outside a deployment nothing reads the verdict on a finished allocation (a
+                # drain waits for running ones); not writing it spares a crash loop one write
+                # per failure. Nomad's client does send it.
+                self._forget(alloc_id)
+                continue
             verdict = self._judge(alloc, now, deadline, min_healthy, use_checks, hooks)
             if verdict is not None:
                 self._forget(alloc_id)
