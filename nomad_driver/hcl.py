@@ -125,6 +125,7 @@ RESCHEDULE = Schema(
         "Unlimited": Field("unlimited"),
     }
 )
+UPDATE = Schema({"MaxParallel": Field("max_parallel")})
 SCALING = Schema({"Min": Field("min"), "Max": Field("max"), "Enabled": Field("enabled")})
 GROUP = Schema(
     {
@@ -135,6 +136,7 @@ GROUP = Schema(
         "Services": Field("service", "blocks", SERVICE),
         "RestartPolicy": Field("restart", "block", RESTART),
         "ReschedulePolicy": Field("reschedule", "block", RESCHEDULE),
+        "Update": Field("update", "block", UPDATE),
         "Meta": Field("meta", "map"),
         "Tasks": Field("task", "labeled", TASK),
     }

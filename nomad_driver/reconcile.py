@@ -134,11 +134,31 @@ def job_scaling_max(job: Mapping[str, Any] | None) -> int | None:
     return int(scaling["Max"])
 
 
+def job_makes_deployments(job: Mapping[str, Any] | None) -> bool:
+    """The job's group has an update strategy that makes Nomad deploy it (max_parallel > 0), as
+    a model job rendered before llmgw opted out has: Nomad would refuse to scale it while a
+    deployment runs."""
+    groups = job.get("TaskGroups") if isinstance(job, Mapping) else None
+    if not isinstance(groups, list) or not groups or not isinstance(groups[0], Mapping):
+        return False
+    update = groups[0].get("Update")
+    return (
+        isinstance(update, Mapping)
+        and isinstance(update.get("MaxParallel"), int)
+        and update["MaxParallel"] > 0
+    )
+
+
 def job_is_current(job: Mapping[str, Any] | None, model: Model) -> bool:
     """The job in Nomad runs this definition. Replicas are not in the definition hash (scaling
     is not a new definition, and must not unpark), but Nomad refuses to scale past the job's
-    scaling maximum, so a raised `replicas.max` needs the job registered again."""
-    return job_def_hash(job) == model.def_hash and job_scaling_max(job) == model.replicas_max
+    scaling maximum, so a raised `replicas.max` needs the job registered again; a job that still
+    makes deployments is registered again to opt out (an update in place, nothing restarts)."""
+    return (
+        job_def_hash(job) == model.def_hash
+        and job_scaling_max(job) == model.replicas_max
+        and not job_makes_deployments(job)
+    )
 
 
 def job_version(job: Mapping[str, Any] | None) -> int:

@@ -184,6 +184,8 @@ RESCHEDULE_POLICY = {
     "MaxDelay": 10 * MINUTE,
     "Unlimited": False,
 }
+# `max_parallel = 0` is Nomad's own "no deployments" (`UpdateStrategy.IsEmpty`); see render_job.
+UPDATE_STRATEGY = {"MaxParallel": 0}
 CHECK_INTERVAL = 5 * SECOND
 CHECK_TIMEOUT = 2 * SECOND
 
@@ -252,11 +254,15 @@ def render_job(model: Model, *, namespace: str | None = None) -> dict[str, Any]:
         "Services": [service],
         "RestartPolicy": RESTART_POLICY,
         "ReschedulePolicy": RESCHEDULE_POLICY,
+        # No deployments for model jobs. Nomad gives a job without an update block the default
+        # strategy (max_parallel 1), so every version (and every scale call makes one) gets a
+        # deployment; while it runs Nomad refuses scale calls ("job scaling blocked due to active
+        # deployment"), which would hold up parking a crash-looping model, activation and idle
+        # scale-down, and a load longer than healthy_deadline would fail it. llmgw judges
+        # replicas itself (readiness checks, start failures), so max_parallel = 0 opts out.
+        "Update": UPDATE_STRATEGY,
         "Tasks": [task],
     }
-    # No update block on purpose: without one Nomad makes no deployments, and an active
-    # deployment refuses scale calls ("job scaling blocked due to active deployment"), which
-    # would block both activation and parking while a replica loads.
 
     job: dict[str, Any] = {
         "ID": model.job_id,

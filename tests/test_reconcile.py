@@ -289,3 +289,22 @@ def test_the_count_survives_nomad_forgetting_the_allocations_it_was_made_of() ->
     d = reconcile(view(allocs=(crashed("b0", 100), crashed("b1", 110)), state=d.state, state_index=9))
     park = [a for a in d.actions if isinstance(a, Park)]
     assert park and park[0].failures == 5 and park[0].alloc_id == "b1"
+
+
+def test_a_job_that_still_makes_deployments_is_registered_again_even_when_parking() -> None:
+    """A model job from before the opt-out has Nomad's default strategy (max_parallel 1): Nomad
+    would refuse to scale it while a deployment runs, so it is registered again (which Nomad
+    never refuses), with the count the model should have, parked or not. Should the Park's scale
+    be refused, the registration at 0 still stops the model, and the next pass parks it."""
+    old = job(KEV, 1)
+    old["TaskGroups"][0]["Update"] = {"MaxParallel": 1, "HealthyDeadline": 300_000_000_000}
+    d = reconcile(view(job=old))
+    assert [type(a) for a in d.actions if not isinstance(a, WriteState)] == [RegisterJob]
+
+    crashing = reconcile(view(job=old, allocs=[crashed(f"a{i}", 10 + i * 10) for i in range(5)]))
+    (register,) = [a for a in crashing.actions if isinstance(a, RegisterJob)]
+    assert register.count == 0 and crashing.state.parked
+
+    opted_out = job(KEV, 1)
+    opted_out["TaskGroups"][0]["Update"] = {"MaxParallel": 0}
+    assert not any(isinstance(a, RegisterJob | Scale) for a in reconcile(view(job=opted_out)).actions)

@@ -284,7 +284,9 @@ def test_nomad_itself_gives_up_on_a_model_that_keeps_failing() -> None:
     # at least the watcher's 5, so a running watcher parks the model before Nomad gives up.
     assert 5 <= starts_per_interval <= 8
     assert reschedule["Interval"] >= 12 * 3600 * SECOND
-    assert "Update" not in group  # a deployment would block scale calls
+    # Explicitly no deployments: Nomad would fill in max_parallel 1, and an active deployment
+    # refuses the scale calls that parking and activation make (test_deployments shows it).
+    assert group["Update"] == {"MaxParallel": 0}
 
 
 def test_placement_comes_from_the_profile_and_the_namespace_from_the_caller() -> None:
@@ -311,12 +313,12 @@ def test_placement_is_part_of_the_definition_only_when_set() -> None:
 
 
 # Field names of Nomad's api package (api/jobs.go, tasks.go, resources.go, services.go,
-# constraint.go, scaling.go): a misspelt key is ignored by Nomad's decoder without a word.
+# constraint.go, scaling.go, UpdateStrategy in jobs.go): a misspelt key is ignored by Nomad's decoder without a word.
 API_FIELDS = {
     "Job": {"ID", "Name", "Type", "Namespace", "Region", "Datacenters", "NodePool", "Meta", "TaskGroups"},
     "TaskGroup": {
         "Name", "Count", "Constraints", "Scaling", "Networks", "Services",
-        "RestartPolicy", "ReschedulePolicy", "Tasks",
+        "RestartPolicy", "ReschedulePolicy", "Update", "Tasks",
     },
     "Task": {"Name", "Driver", "Config", "Env", "Artifacts", "Resources", "KillTimeout"},
     "Resources": {"CPU", "MemoryMB", "Devices"},
@@ -328,6 +330,7 @@ API_FIELDS = {
     "RestartPolicy": {"Attempts", "Interval", "Delay", "Mode"},
     "ReschedulePolicy": {"Attempts", "Interval", "Delay", "DelayFunction", "MaxDelay", "Unlimited"},
     "ScalingPolicy": {"Min", "Max", "Enabled"},
+    "UpdateStrategy": {"MaxParallel"},
     "NetworkResource": {"DynamicPorts", "ReservedPorts"},
     "Port": {"Label"},
 }  # fmt: skip
@@ -346,6 +349,7 @@ def test_every_key_is_a_nomad_api_field(model: Model) -> None:
         ("RestartPolicy", group["RestartPolicy"]),
         ("ReschedulePolicy", group["ReschedulePolicy"]),
         ("ScalingPolicy", group["Scaling"]),
+        ("UpdateStrategy", group["Update"]),
     ]
     objects += [("Constraint", c) for c in group["Constraints"]]
     objects += [("NetworkResource", n) for n in group["Networks"]]
@@ -470,6 +474,7 @@ def job_from_hcl(text: str) -> dict[str, Any]:
                 "MaxDelay": _ns(resched["max_delay"]),
                 "Unlimited": resched["unlimited"],
             },
+            "Update": {"MaxParallel": g["update"][0]["max_parallel"]},
             "Tasks": [],
         }
         for task_name, t in _labeled(g["task"]):

@@ -399,5 +399,6 @@ _IGNORED_FOR_DIFF = frozenset(SERVER_FIELDS)
 
 def group_spec(group: Json) -> Json:
     """A group without its count: what decides whether an allocation must be replaced when the
-    job changes, rather than updated in place."""
-    return {k: v for k, v in group.items() if k not in ("Count", "Scaling")}
+    job changes, rather than updated in place. How to roll out and migrate (`update`, `migrate`)
+    is not what runs, so changing it replaces nothing (`tasksUpdated` ignores it too)."""
+    return {k: v for k, v in group.items() if k not in ("Count", "Scaling", "Update", "Migrate")}

@@ -218,6 +218,10 @@ class ServiceRegistry:
         self._watcher: asyncio.Task[None] | None = None
         self._syncer: asyncio.Task[None] | None = None
         self._restarts: set[asyncio.Task[None]] = set()
+        # The agent's check statuses as last read, and each allocation's check IDs then, for
+        # allocation health (deployments).
+        self._statuses: dict[str, str] = {}
+        self._checks_by_alloc: dict[str, list[str]] = {}
 
     @property
     def enabled(self) -> bool:
@@ -343,6 +347,26 @@ class ServiceRegistry:
         for cid, (alloc_id, watch, _) in list(self._watches.items()):
             if (alloc_id, watch.task) in restarted:
                 self._watches.pop(cid, None)
+
+    async def refresh_check_statuses(self) -> None:
+        """Read the agent's check statuses for `alloc_checks`; a failed read keeps the last."""
+        by_alloc: dict[str, list[str]] = {}
+        for sid, reg in self._desired.items():
+            # Service IDs are `_nomad-task-<alloc UUID>-...`.
+            alloc_id = sid[len(TASK_PREFIX) : len(TASK_PREFIX) + 36]
+            by_alloc.setdefault(alloc_id, []).extend(str(c["CheckID"]) for c in reg.body.get("Checks") or [])
+        try:
+            resp = await self._http().get("/v1/agent/checks")
+            resp.raise_for_status()
+            self._statuses = {cid: c.get("Status", "") for cid, c in resp.json().items()}
+        except (httpx.HTTPError, ValueError) as exc:
+            log.debug("consul: reading check statuses for allocation health: %s", exc)
+        self._checks_by_alloc = by_alloc
+
+    def alloc_checks(self, alloc_id: str) -> tuple[int, list[str]]:
+        """(checks registered for the allocation, their statuses), as of the last read."""
+        ids = self._checks_by_alloc.get(alloc_id, [])
+        return len(ids), [self._statuses.get(cid, "") for cid in ids]
 
     async def close(self) -> None:
         """Deregister whatever is still registered and stop watching."""

@@ -9,6 +9,7 @@ from typing import Any
 
 from aiohttp import web
 
+from devstack.nomad import deployments
 from devstack.nomad.encode import alloc_stub, job_stub
 from devstack.nomad.httpbase import (
     HEARTBEAT_KEY,
@@ -172,7 +173,36 @@ async def _job_versions(
     return await blocking(request, ("job_versions",), query)
 
 
+async def _job_deployments(
+    request: web.Request, server: NomadServer, job_id: str, ns: str
+) -> web.StreamResponse:
+    """`/v1/job/<id>/deployments`: the job's deployments, newest first."""
+    only(request, "GET")
+    store = server.store
+
+    def query() -> tuple[Any, int]:
+        found = sorted(store.deployments_for_job(ns, job_id), key=lambda d: d["CreateIndex"], reverse=True)
+        return found, store.table_index[deployments.TABLE]
+
+    return await blocking(request, (deployments.TABLE,), query)
+
+
+async def _job_deployment(
+    request: web.Request, server: NomadServer, job_id: str, ns: str
+) -> web.StreamResponse:
+    """`/v1/job/<id>/deployment`: the latest deployment, or null when there is none."""
+    only(request, "GET")
+    store = server.store
+
+    def query() -> tuple[Any, int]:
+        return deployments.latest_for_job(store, ns, job_id), store.table_index[deployments.TABLE]
+
+    return await blocking(request, (deployments.TABLE,), query)
+
+
 _JOB_SUFFIXES: list[tuple[str, Any]] = [
+    ("/deployments", _job_deployments),
+    ("/deployment", _job_deployment),
     ("/allocations", _job_allocations),
     ("/evaluations", _job_evaluations),
     ("/summary", _job_summary),
@@ -294,6 +324,63 @@ async def allocation(request: web.Request) -> web.StreamResponse:
 
     return await blocking(
         request, ("allocs",), object_query(server, fetch, lambda a: a["ModifyIndex"], "allocs")
+    )
+
+
+# ----- deployments (command/agent/deployment_endpoint.go) --------------------------------------
+
+
+async def deployments_list(request: web.Request) -> web.StreamResponse:
+    only(request, "GET")
+    server = request.app[SERVER_KEY]
+    store = server.store
+    prefix = request.query.get("prefix", "")
+    namespace = namespace_param(request)
+    reverse = bool_param(request, "reverse")
+
+    def query() -> tuple[Any, int]:
+        out = [
+            d for d in store.deployments.values() if d["ID"].startswith(prefix) and ns_matches(d, namespace)
+        ]
+        out.sort(key=lambda d: d["CreateIndex"], reverse=reverse)
+        return out, store.table_index[deployments.TABLE]
+
+    return await blocking(request, (deployments.TABLE,), query)
+
+
+async def deployment(request: web.Request) -> web.StreamResponse:
+    """`/v1/deployment/<id>` and its actions, dispatched on the prefix as Nomad does."""
+    server = request.app[SERVER_KEY]
+    store = server.store
+    rest = request.match_info["rest"]
+    action, _, deployment_id = rest.partition("/")
+    if action in ("fail", "pause", "promote") and deployment_id:
+        only(request, "PUT", "POST")
+        body = await read_body(request)
+        if (
+            action != "fail"
+            and isinstance(body, dict)
+            and body.get("DeploymentID") not in (None, deployment_id)
+        ):
+            raise ApiError(400, "Deployment ID does not match")
+        if action == "fail":
+            return write_response(server.fail_deployment(deployment_id), request)
+        if action == "pause":
+            return write_response(server.pause_deployment(deployment_id, body), request)
+        return write_response(server.promote_deployment(deployment_id, body), request)
+    if action == "allocations" and deployment_id:
+        only(request, "GET")
+
+        def allocs_query() -> tuple[Any, int]:
+            found = [alloc_stub(a) for a in store.allocs.values() if a.get("DeploymentID") == deployment_id]
+            return found, store.table_index["allocs"]
+
+        return await blocking(request, ("allocs",), allocs_query)
+    only(request, "GET")
+    return await blocking(
+        request,
+        (deployments.TABLE,),
+        object_query(server, lambda: server.deployment(rest), lambda d: d["ModifyIndex"], deployments.TABLE),
     )
 
 
@@ -445,6 +532,8 @@ def make_app(
     route("*", "/v1/evaluation/{rest:.+}", evaluation)
     route("*", "/v1/allocations", allocations)
     route("*", "/v1/allocation/{rest:.+}", allocation)
+    route("*", "/v1/deployments", deployments_list)
+    route("*", "/v1/deployment/{rest:.+}", deployment)
     route("*", "/v1/nodes", nodes)
     route("*", "/v1/node/{rest:.+}", node)
     route("*", "/v1/validate/job", validate_job)

@@ -181,6 +181,8 @@ class Plan:
     block: bool = True
     blocked_node: str = ""
     queued: dict[str, int] = field(default_factory=dict)
+    # Groups whose destructive updates wait for the deployment (max_parallel at a time).
+    held_back: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -222,10 +224,15 @@ def _needs_replacement(alloc: Json, job: Json, group: Json) -> bool:
 
 
 def compute_plan(
-    store: StateStore, evaluation: Json, now_ns: int, live_allocs: list[Json] | None = None
+    store: StateStore,
+    evaluation: Json,
+    now_ns: int,
+    live_allocs: list[Json] | None = None,
+    destructive_budget: dict[str, int] | None = None,
 ) -> Plan:
     """What the evaluation should change: the reconciler and the placement, without writing.
-    `live_allocs` are what placement packs against (default: the store's live allocations)."""
+    `live_allocs` are what placement packs against (default: the store's live allocations);
+    `destructive_budget` caps the replacements per group (a rolling update; absent: no cap)."""
     plan = Plan(evaluation=dict(evaluation))
     live = list(store.live_allocs.values()) if live_allocs is None else live_allocs
     ns, job_id = evaluation["Namespace"], evaluation["JobID"]
@@ -256,8 +263,9 @@ def compute_plan(
     later: list[tuple[Json, int]] = []
     for name, group in groups.items():
         group_allocs = [a for a in allocs if a["TaskGroup"] == name]
+        budget = (destructive_budget or {}).get(name)
         slots, stops, inplace = _reconcile_group(
-            store, job, group, group_allocs, now_ns, evaluation["ID"], later
+            store, job, group, group_allocs, now_ns, evaluation["ID"], later, budget, plan.held_back
         )
         plan.stopped.extend(stops)
         plan.updated.extend(inplace)
@@ -409,9 +417,12 @@ def _reconcile_group(
     now_ns: int,
     eval_id: str,
     later: list[tuple[Json, int]],
+    budget: int | None = None,
+    held_back: set[str] | None = None,
 ) -> tuple[list[_Slot], list[Json], list[Json]]:
     """Slots (name indexes) the group should hold after this evaluation, the stops, and the
-    allocations updated in place to the job's current version."""
+    allocations updated in place to the job's current version. With a `budget`, at most that
+    many are replaced now; the rest keep running and the group is added to `held_back`."""
     batch = job["Type"] == "batch"
     policy = group.get("ReschedulePolicy")
     slots: list[_Slot] = []
@@ -450,6 +461,13 @@ def _reconcile_group(
             stops.append(_stop(alloc, DESC_MIGRATING, now_ns))
             slots.append(_Slot(alloc["Name"], idx, previous=alloc))
         elif _needs_replacement(alloc, job, group):
+            if budget is not None and budget <= 0:
+                if held_back is not None:
+                    held_back.add(group["Name"])
+                slots.append(_Slot(alloc["Name"], idx, alloc=alloc))
+                continue
+            if budget is not None:
+                budget -= 1
             stops.append(_stop(alloc, DESC_UPDATING, now_ns))
             slots.append(_Slot(alloc["Name"], idx, previous=alloc))
         else:

@@ -13,6 +13,7 @@ import logging
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
+from devstack.nomad import deployments
 from devstack.nomad.clock import Clock
 from devstack.nomad.encode import parse_rfc3339_ns, rfc3339
 from devstack.nomad.reconcile import (
@@ -55,6 +56,8 @@ class Scheduler:
         self._worker: asyncio.Task[None] | None = None
         self.processed = 0
         self.on_processed: Callable[[Json], None] | None = None
+        # The client's health trackers; absent when the stand-in runs no client (unit tests).
+        self.health: deployments.HealthWatcher | None = None
 
     # -- lifecycle
 
@@ -211,11 +214,27 @@ class Scheduler:
             return None
         now = self.clock.now_ns()
         key = (evaluation["Namespace"], evaluation["JobID"])
-        plan = compute_plan(store, evaluation, now)
+        job = store.jobs.get(key)
+        plan = compute_plan(
+            store, evaluation, now, destructive_budget=deployments.destructive_budget(store, job)
+        )
+        pending = plan.held_back | {g for g, n in plan.queued.items() if n}
+        deployment_writes = deployments.plan_deployment(
+            store, job, evaluation, plan.placed, plan.updated, plan.stopped, pending, now
+        )
         was_blocked = evaluation["Status"] == "blocked"
         result = plan.evaluation
         result["ModifyTime"] = now
+        joined = [
+            a for a in plan.updated if a.get("DeploymentID") != store.allocs[a["ID"]].get("DeploymentID")
+        ]
         with store.batch():
+            # Deployments first: the allocations placed into one move its counts.
+            for deployment in deployment_writes:
+                store.upsert_deployment(deployment)
+                if deployment["Status"] == deployments.SUCCESSFUL and job is not None:
+                    # A version that deployed successfully is stable (what auto-revert goes back to).
+                    store.upsert_job({**store.jobs[key], "Stable": True})
             for alloc in plan.stopped:
                 store.upsert_alloc(alloc, "PlanResult")
             for alloc in plan.updated:
@@ -266,6 +285,9 @@ class Scheduler:
         for followup in plan.new_evals:
             self.submit(followup)
         self.processed += 1
+        if self.health is not None:
+            for alloc in [*plan.placed, *joined]:
+                self.health.track(store.allocs[alloc["ID"]])
         if self.client is not None:
             for alloc in plan.stopped:
                 self.client.stop_alloc(alloc["ID"])

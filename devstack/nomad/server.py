@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from devstack.nomad import deployments
 from devstack.nomad.canonical import canonicalize_job, spec_changed
 from devstack.nomad.client import ClientRunner
 from devstack.nomad.clock import Clock
@@ -81,6 +82,7 @@ class NomadServer:
         self.consul_url = consul_url
         self._initial_nodes = nodes
         self.client: ClientRunner | None = None
+        self.health: deployments.HealthWatcher | None = None
         # Dynamic node metadata per node (`/v1/client/metadata`), nulls included, as a client
         # keeps it in its state DB; it survives a node being replaced through /v1/devstack/node.
         self.dynamic_meta: dict[str, dict[str, str | None]] = {}
@@ -100,13 +102,25 @@ class NomadServer:
             on_alloc_update=self.scheduler.on_alloc_update,
         )
         self.scheduler.client = self.client
+        registry = self.client.registry
+        self.health = deployments.HealthWatcher(
+            self.store,
+            self.clock,
+            self.deployment_eval,
+            registry.alloc_checks if registry.enabled else None,
+            registry.refresh_check_statuses if registry.enabled else None,
+        )
+        self.scheduler.health = self.health
         self.scheduler.start()
         self.gc.start()
+        self.health.start()
 
     async def stop(self) -> None:
         """Stop scheduling, then every allocation's processes, then the event stream."""
         await self.gc.stop()
         await self.scheduler.stop()
+        if self.health is not None:
+            await self.health.stop()
         if self.client is not None:
             await self.client.shutdown()
         await self.events.stop()
@@ -279,6 +293,8 @@ class NomadServer:
                 )
         if count is not None and job["Type"] == "system" and count > 1:
             raise ApiError(400, 'jobs of type "system" can only be scaled between 0 and 1')
+        if count is not None and deployments.scale_blocked(self.store, job):
+            raise ApiError(400, deployments.ERR_SCALE_BLOCKED)
         now = self.clock.now_ns()
         previous = group["Count"]
         evaluation: Json | None = None
@@ -331,19 +347,26 @@ class NomadServer:
         events = self.store.scaling_events.get((ns, job_id), [])
         groups: Json = {}
         for group in job["TaskGroups"]:
-            mine = [a for a in allocs if a["TaskGroup"] == group["Name"] and a["DesiredStatus"] == "run"]
-            current = [a for a in mine if (a.get("Job") or {}).get("Version") == job["Version"]]
+            # `Job.ScaleStatus`: the group's allocations that are not terminal, health as their
+            # DeploymentStatus says (set with or without a deployment), canaries left out.
+            mine = [
+                a
+                for a in allocs
+                if a["TaskGroup"] == group["Name"]
+                and a["DesiredStatus"] == "run"
+                and a["ClientStatus"] not in TERMINAL_CLIENT
+                and not (a.get("DeploymentStatus") or {}).get("Canary")
+            ]
+            health = [(a.get("DeploymentStatus") or {}).get("Healthy") for a in mine]
             group_events = [
                 {k: v for k, v in e.items() if k != "Group"} for e in events if e["Group"] == group["Name"]
             ]
             groups[group["Name"]] = {
                 "Desired": group["Count"],
-                # Nomad takes Placed/Healthy/Unhealthy from the job's deployment; the stand-in has
-                # no deployments and counts the current version's allocations instead.
-                "Placed": sum(1 for a in current if a["ClientStatus"] not in ("complete", "lost")),
+                "Placed": len(mine),
                 "Running": sum(1 for a in mine if a["ClientStatus"] == "running"),
-                "Healthy": sum(1 for a in current if a["ClientStatus"] == "running"),
-                "Unhealthy": sum(1 for a in current if a["ClientStatus"] == "failed"),
+                "Healthy": sum(1 for h in health if h is True),
+                "Unhealthy": sum(1 for h in health if h is False),
                 "Events": list(reversed(group_events)) or None,
             }
         return {
@@ -693,6 +716,88 @@ class NomadServer:
             "NodeID": node["ID"],
             "EvalIDs": [e["ID"] for e in evals] or None,
             **write_meta(self.store.index),
+        }
+
+    # ----- deployments (nomad/deployment_endpoint.go, deploymentwatcher) ----------------------
+
+    def deployment(self, deployment_id: str) -> Json:
+        found = self.store.deployments.get(deployment_id)
+        if found is None:
+            raise ApiError(404, "deployment not found")
+        return found
+
+    def deployment_eval(self, deployment: Json, triggered_by: str = "deployment-watcher") -> Json | None:
+        """The evaluation the deployment watcher creates so the scheduler acts on a change."""
+        job = self.store.jobs.get((deployment["Namespace"], deployment["JobID"]))
+        if job is None:
+            return None
+        evaluation = new_eval(job, triggered_by, self.clock.now_ns(), DeploymentID=deployment["ID"])
+        self.store.upsert_eval(evaluation)
+        self.scheduler.submit(evaluation)
+        return evaluation
+
+    def _deployment_write(
+        self, deployment_id: str, status: str, description: str, terminal_error: str
+    ) -> Json:
+        with self.store.batch():
+            found = self.store.deployments.get(deployment_id)
+            if found is None:
+                # Behind the RPC boundary, so Nomad answers 500 with the error's text.
+                raise ApiError(500, "deployment not found")
+            if not deployments.is_active(found):
+                raise ApiError(500, terminal_error)
+            self.store.upsert_deployment(
+                deployments.with_status(found, status, description, self.clock.now_ns())
+            )
+            evaluation = self.deployment_eval(self.store.deployments[deployment_id])
+        index = self.store.index
+        return {
+            "EvalID": evaluation["ID"] if evaluation else "",
+            "EvalCreateIndex": index if evaluation else 0,
+            "DeploymentModifyIndex": index,
+            "RevertedJobVersion": None,
+            **write_meta(index),
+        }
+
+    def fail_deployment(self, deployment_id: str) -> Json:
+        return self._deployment_write(
+            deployment_id, deployments.FAILED, deployments.DESC_FAILED_BY_USER, deployments.ERR_NO_FAIL
+        )
+
+    def pause_deployment(self, deployment_id: str, body: Any) -> Json:
+        pause = bool(body.get("Pause")) if isinstance(body, dict) else False
+        if pause:
+            return self._deployment_write(
+                deployment_id, deployments.PAUSED, deployments.DESC_PAUSED, deployments.ERR_NO_PAUSE
+            )
+        return self._deployment_write(
+            deployment_id, deployments.RUNNING, deployments.DESC_RUNNING, deployments.ERR_NO_RESUME
+        )
+
+    def promote_deployment(self, deployment_id: str, body: Any) -> Json:
+        """Marks the named groups (or all) promoted. The stand-in places no canaries, so no
+        group ever waits for healthy ones and a promotion only records itself."""
+        body = body if isinstance(body, dict) else {}
+        groups = set(body.get("Groups") or [])
+        with self.store.batch():
+            found = self.store.deployments.get(deployment_id)
+            if found is None:
+                raise ApiError(500, "deployment not found")
+            if not deployments.is_active(found):
+                raise ApiError(500, deployments.ERR_NO_PROMOTE)
+            states = {
+                name: {**state, "Promoted": True} if body.get("All") or name in groups else state
+                for name, state in found["TaskGroups"].items()
+            }
+            self.store.upsert_deployment({**found, "TaskGroups": states, "ModifyTime": self.clock.now_ns()})
+            evaluation = self.deployment_eval(self.store.deployments[deployment_id])
+        index = self.store.index
+        return {
+            "EvalID": evaluation["ID"] if evaluation else "",
+            "EvalCreateIndex": index if evaluation else 0,
+            "DeploymentModifyIndex": index,
+            "RevertedJobVersion": None,
+            **write_meta(index),
         }
 
     # ----- client --------------------------------------------------------------------------

@@ -18,11 +18,21 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from devstack.nomad import deployments
 from devstack.nomad.placement import forget_footprint
 
 Json = dict[str, Any]
 
-TABLES = ("jobs", "job_versions", "job_summary", "evals", "allocs", "nodes", "scaling_event")
+TABLES = (
+    "jobs",
+    "job_versions",
+    "job_summary",
+    "evals",
+    "allocs",
+    "nodes",
+    "scaling_event",
+    deployments.TABLE,
+)
 
 
 @dataclass(frozen=True)
@@ -66,6 +76,8 @@ class StateStore:
         self.allocs: dict[str, Json] = {}
         self.nodes: dict[str, Json] = {}
         self.scaling_events: dict[tuple[str, str], list[Json]] = {}
+        self.deployments: dict[str, Json] = {}
+        self._deployments_by_job: dict[tuple[str, str], dict[str, Json]] = {}
         # Secondary indexes, as memdb keeps them: a job's or a node's allocations must not cost a
         # scan of every allocation, or a fleet of a thousand jobs answers slower with each one.
         self._allocs_by_job: dict[tuple[str, str], dict[str, Json]] = {}
@@ -223,8 +235,15 @@ class StateStore:
         )
 
     def upsert_alloc(self, alloc: Json, event_type: str = "AllocationUpdated") -> int:
+        if self._pending is None and alloc.get("DeploymentID"):
+            # The deployment's counts move with the allocation, at the same index.
+            with self.batch():
+                self.upsert_alloc(alloc, event_type)
+            return self.index
         idx = self.index + 1
         existing = self.allocs.get(alloc["ID"])
+        if alloc.get("DeploymentID"):
+            deployments.update_with_alloc(self, alloc, existing, idx)
         alloc["CreateIndex"] = existing["CreateIndex"] if existing else idx
         alloc["ModifyIndex"] = idx
         alloc.setdefault("AllocModifyIndex", idx)
@@ -266,6 +285,27 @@ class StateStore:
 
     def evals_for_job(self, namespace: str, job_id: str) -> list[Json]:
         return list(self._evals_by_job.get((namespace, job_id), {}).values())
+
+    # ----- deployments ---------------------------------------------------------------------
+
+    def upsert_deployment(self, deployment: Json) -> int:
+        idx = self.index + 1
+        existing = self.deployments.get(deployment["ID"])
+        deployment["CreateIndex"] = existing["CreateIndex"] if existing else idx
+        deployment["ModifyIndex"] = idx
+        self.deployments[deployment["ID"]] = deployment
+        self._deployments_by_job.setdefault((deployment["Namespace"], deployment["JobID"]), {})[
+            deployment["ID"]
+        ] = deployment
+        payload = {"Deployment": deployment}
+        event = ("Deployment", "DeploymentStatusUpdate", deployment["ID"], deployment["Namespace"], payload)
+        return self._touch(deployments.TABLE, event)
+
+    def deployments_for_job(self, namespace: str, job_id: str) -> list[Json]:
+        return list(self._deployments_by_job.get((namespace, job_id), {}).values())
+
+    def active_deployments(self) -> list[Json]:
+        return [d for d in self.deployments.values() if deployments.is_active(d)]
 
     # ----- nodes ---------------------------------------------------------------------------
 

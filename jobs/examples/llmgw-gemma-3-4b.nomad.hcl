@@ -66,6 +66,10 @@ job "llmgw-gemma-3-4b" {
       unlimited      = false
     }
 
+    update {
+      max_parallel = 0
+    }
+
     task "engine" {
       driver       = "raw_exec"
       kill_timeout = "30s"

@@ -66,6 +66,10 @@ job "llmgw-llama-3.3-70b" {
       unlimited      = false
     }
 
+    update {
+      max_parallel = 0
+    }
+
     task "engine" {
       driver       = "docker"
       kill_timeout = "30s"

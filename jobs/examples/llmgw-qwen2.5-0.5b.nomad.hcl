@@ -66,6 +66,10 @@ job "llmgw-qwen2.5-0.5b" {
       unlimited      = false
     }
 
+    update {
+      max_parallel = 0
+    }
+
     task "engine" {
       driver       = "raw_exec"
       kill_timeout = "30s"

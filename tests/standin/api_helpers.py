@@ -39,6 +39,11 @@ def tiny_node(name: str, cpu_mhz: int = 4000, memory_mib: int = 4096, **extra: A
     }
 
 
+# A group that opts out of deployments, as llmgw's model jobs do: Nomad refuses to scale a job
+# while its deployment is active, which is not what the tests that scale are about.
+NO_DEPLOYMENTS: dict[str, Any] = {"Update": {"MaxParallel": 0}}
+
+
 def mock_job(
     job_id: str,
     count: int = 1,

@@ -16,7 +16,15 @@ import requests
 from nomad.api import exceptions
 
 from tests.fixtures.nomad import StandIn
-from tests.standin.api_helpers import SECOND, eval_done, live_allocs, mock_job, scale, wait_for
+from tests.standin.api_helpers import (
+    NO_DEPLOYMENTS,
+    SECOND,
+    eval_done,
+    live_allocs,
+    mock_job,
+    scale,
+    wait_for,
+)
 
 
 def n_live(client: nomad.Nomad, job_id: str, n: int) -> list[dict[str, Any]] | None:
@@ -145,7 +153,7 @@ def test_register_places_allocations_on_the_small_fleet(client: nomad.Nomad) -> 
 
 
 def test_scale_to_zero_and_back(client: nomad.Nomad) -> None:
-    client.jobs.register_job(mock_job("sc", count=2))
+    client.jobs.register_job(mock_job("sc", count=2, **NO_DEPLOYMENTS))
     wait_for(lambda: len(live_allocs(client, "sc")) == 2, what="two allocations")
     down = scale(client, "sc", "g", 0, Message="idle")
     evaluation = eval_done(client, down["EvalID"])

@@ -12,7 +12,7 @@ import pytest
 import requests
 
 from tests.fixtures.nomad import StandIn
-from tests.standin.api_helpers import eval_done, mock_job, scale, wait_for
+from tests.standin.api_helpers import NO_DEPLOYMENTS, eval_done, mock_job, scale, wait_for
 
 
 @pytest.fixture
@@ -32,7 +32,7 @@ def _later(delay: float, action: Callable[[], object]) -> threading.Thread:
 
 def test_job_read_blocks_until_that_job_changes(standin: StandIn) -> None:
     client = standin.client(timeout=30)
-    client.jobs.register_job(mock_job("b", count=1))
+    client.jobs.register_job(mock_job("b", count=1, **NO_DEPLOYMENTS))
     first = requests.get(f"{standin.url}/v1/job/b", timeout=5)
     index = int(first.headers["X-Nomad-Index"])
     assert index == first.json()["ModifyIndex"]

@@ -20,6 +20,7 @@ from devstack.nomad.reconcile import next_delay, reschedule_eligible
 from devstack.nomad.server import NomadServer
 from tests.fixtures.nomad import StandIn
 from tests.standin.api_helpers import (
+    NO_DEPLOYMENTS,
     SECOND,
     eval_done,
     live_allocs,
@@ -70,7 +71,7 @@ def pending_evals(srv: NomadServer, job_id: str) -> list[Json]:
 
 
 async def test_scale_down_stops_the_highest_indexes_and_scale_up_reuses_them(server: NomadServer) -> None:
-    register(server, mock_job("s", count=4))
+    register(server, mock_job("s", count=4, **NO_DEPLOYMENTS))
     assert [a["Name"] for a in live(server, "s")] == [f"s.g[{i}]" for i in range(4)]
 
     down = server.scale("default", "s", {"Count": 2, "Target": {"Group": "g"}})
@@ -115,7 +116,7 @@ async def test_failed_placement_creates_a_blocked_eval_that_capacity_unblocks(se
 
 
 async def test_a_later_successful_eval_cancels_the_blocked_one(server: NomadServer) -> None:
-    eval_id = register(server, mock_job("shrink", count=3, cpu=3000))
+    eval_id = register(server, mock_job("shrink", count=3, cpu=3000, **NO_DEPLOYMENTS))
     blocked_id = server.store.evals[eval_id]["BlockedEval"]
     down = server.scale("default", "shrink", {"Count": 1, "Target": {"Group": "g"}})
     server.scheduler.process(down["EvalID"])
@@ -203,10 +204,11 @@ async def test_allocations_on_a_node_that_goes_down_are_replaced(server: NomadSe
 
 
 async def test_a_changed_group_replaces_allocations_and_a_count_change_does_not(server: NomadServer) -> None:
-    register(server, mock_job("upd", count=2))
+    # Without deployments, so every allocation is replaced at once (test_deployments rolls).
+    register(server, mock_job("upd", count=2, **NO_DEPLOYMENTS))
     before = {a["Name"]: a["ID"] for a in live(server, "upd")}
 
-    changed = mock_job("upd", count=2, config={"run_for": "2h"})
+    changed = mock_job("upd", count=2, config={"run_for": "2h"}, **NO_DEPLOYMENTS)
     register(server, changed)
     after = live(server, "upd")
     assert {a["Name"] for a in after} == set(before)
