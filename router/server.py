@@ -14,7 +14,7 @@ it: bytes of a head are counted before the parser sees them, headers are counted
 parsed, a timer runs from a head's first byte (or the connection's opening) to its end, and
 past the connection cap the oldest idle connection is closed for each new one, so a client
 that sends a request now (a health check) is always served. The cost is one addition per
-read and one timer per request; bench/router_bench.py measures it (docs/benchmarks.md).
+read and one timer per request; bench/router_bench.py measures it (docs/dev/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -491,7 +491,7 @@ class HealthWatcher:
         if healthy_at is not None and use_checks:
             checks = self.check_statuses(alloc["ID"]) if self.check_statuses is not None else None
             if checks is not None:
-                # Without Consul the stand-in judges by task states alone (see docs/devstack.md).
+                # Without Consul the stand-in judges by task states alone (see docs/dev/devstack.md).
                 wanted, statuses = checks
                 if len(statuses) >= wanted > 0 and all(s == "passing" for s in statuses):
                     since = self._passing_since.setdefault(alloc["ID"], now)
