@@ -54,6 +54,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
         ("--batch-eval-gc-threshold", defaults.batch_eval_threshold_s, "the same for batch jobs"),
         ("--job-gc-threshold", defaults.job_threshold_s, "age before dead, stopped jobs go"),
         ("--node-gc-threshold", defaults.node_threshold_s, "age before down nodes go"),
+        ("--deployment-gc-threshold", defaults.deployment_threshold_s, "age before finished deployments go"),
     ):
         parser.add_argument(
             flag, type=_duration, default=default, help=f"{meaning} (e.g. 1h; default {default:g}s)"
@@ -71,6 +72,7 @@ async def _serve(args: argparse.Namespace, data_dir: Path) -> None:
         batch_eval_threshold_s=args.batch_eval_gc_threshold,
         job_threshold_s=args.job_gc_threshold,
         node_threshold_s=args.node_gc_threshold,
+        deployment_threshold_s=args.deployment_gc_threshold,
     )
     server = NomadServer(nodes, args.consul, data_dir, Clock(args.clock_speed), gc)
     await server.start()

@@ -15,14 +15,17 @@ here are the core scheduler's:
 - A job is collected (purged, with its evaluations and allocations) once it is dead and
   stopped (or a dead batch job), older than `job_gc_threshold` (4h), and all its evaluations
   are collectable (`jobGC`, `jobIsGCable`).
+- A deployment is collected once it is terminal (successful, failed, cancelled), older than
+  `deployment_gc_threshold` (1h), and no allocation that is not terminal still names it
+  (`deploymentGC`): a running job's last deployment stays as long as its allocations run. A
+  collected (or purged) job takes all its deployments with it (`deleteJobImpl`).
 - A node is collected once it is down, older than `node_gc_threshold` (24h) and holds only
   terminal allocations (`nodeGC`).
 - `PUT /v1/system/gc` forces a collection with every threshold at its maximum: everything
   the rules allow goes now (`forceGC`).
 
 "Older than" compares the object's ModifyIndex with the raft index the store had at
-`now - threshold` (Nomad's FSM time table), in the stand-in's clock. The stand-in has no
-deployments, so there is nothing of `deploymentGC` to do.
+`now - threshold` (Nomad's FSM time table), in the stand-in's clock.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from devstack.nomad import deployments
 from devstack.nomad.clock import Clock
 from devstack.nomad.reconcile import TERMINAL_CLIENT, TERMINAL_EVAL
 from devstack.nomad.state import StateStore
@@ -53,6 +57,7 @@ class GCConfig:
     batch_eval_threshold_s: float = 24 * HOUR
     job_threshold_s: float = 4 * HOUR
     node_threshold_s: float = 24 * HOUR
+    deployment_threshold_s: float = 1 * HOUR
 
 
 class TimeTable:
@@ -80,6 +85,7 @@ class Collected:
     allocs: int = 0
     jobs: int = 0
     nodes: int = 0
+    deployments: int = 0
 
 
 def _alloc_terminal(alloc: Json) -> bool:
@@ -159,10 +165,10 @@ class GarbageCollector:
         return self.times.nearest_index(self.clock.now() - seconds)
 
     def collect(self, forced: bool) -> Collected:
-        """One pass of the core scheduler's job, eval and node GC (`forceGC` when forced)."""
+        """One pass of the core scheduler's job, eval, deployment and node GC (`forceGC` when
+        forced)."""
         self.witness()
         cfg = self.config
-        done = Collected()
         now_ns = self.clock.now_ns()
         # jobGC first, as forceGC runs it: a collected job takes its evaluations with it.
         job_threshold = self._threshold(forced, cfg.job_threshold_s)
@@ -194,6 +200,15 @@ class GarbageCollector:
             if gc:
                 gone_evals.add(evaluation["ID"])
             gone_allocs.update(allocs)
+        # deploymentGC; a collected job's deployments go with it whatever their age or status.
+        deployment_threshold = self._threshold(forced, cfg.deployment_threshold_s)
+        collected_jobs = set(gone_jobs)
+        gone_deployments = [
+            d["ID"]
+            for d in self.store.deployments.values()
+            if (d["Namespace"], d["JobID"]) in collected_jobs
+            or self._deployment_gcable(d, deployment_threshold)
+        ]
         node_threshold = self._threshold(forced, cfg.node_threshold_s)
         gone_nodes = [
             node_id
@@ -204,23 +219,23 @@ class GarbageCollector:
         ]
         with self.store.batch():
             self.store.delete_evals_allocs(gone_evals, gone_allocs)
+            self.store.delete_deployments(gone_deployments)
             for ns, job_id in gone_jobs:
                 self.store.delete_job(ns, job_id)
             for node_id in gone_nodes:
                 self.store.delete_node(node_id)
-        done.evals, done.allocs, done.jobs, done.nodes = (
-            len(gone_evals),
-            len(gone_allocs),
-            len(gone_jobs),
-            len(gone_nodes),
+        done = Collected(
+            len(gone_evals), len(gone_allocs), len(gone_jobs), len(gone_nodes), len(gone_deployments)
         )
-        if any((done.evals, done.allocs, done.jobs, done.nodes)):
+        if done != Collected():
             log.info(
-                "garbage collected %d evaluations, %d allocations, %d jobs, %d nodes (forced=%s)",
+                "garbage collected %d evaluations, %d allocations, %d jobs, %d nodes, %d deployments"
+                " (forced=%s)",
                 done.evals,
                 done.allocs,
                 done.jobs,
                 done.nodes,
+                done.deployments,
                 forced,
             )
         return done
@@ -234,6 +249,13 @@ class GarbageCollector:
         if job.get("Status") != "dead":
             return False
         return bool(job.get("Stop")) or job.get("Type") in ("batch", "sysbatch")
+
+    def _deployment_gcable(self, deployment: Json, threshold: int) -> bool:
+        """`deploymentGC`: terminal, old enough, and no allocation still running under it."""
+        if deployments.is_active(deployment) or deployment["ModifyIndex"] > threshold:
+            return False
+        allocs = self.store.allocs_for_job(deployment["Namespace"], deployment["JobID"])
+        return all(_alloc_terminal(a) for a in allocs if a.get("DeploymentID") == deployment["ID"])
 
     def _gc_eval(
         self, evaluation: Json, threshold: int, now_ns: int, allow_batch: bool

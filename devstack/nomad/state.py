@@ -196,6 +196,8 @@ class StateStore:
         self.job_versions.pop(key, None)
         self.job_summaries.pop(key, None)
         self.scaling_events.pop(key, None)
+        # A purged job takes its deployments with it (`deleteJobImpl`), whatever their status.
+        self.delete_deployments([d["ID"] for d in self.deployments_for_job(namespace, job_id)])
         self._touch("job_summary")
         self._touch("job_versions")
         return self._touch("jobs", ("Job", "JobDeregistered", job_id, namespace, {"Job": job}))
@@ -300,6 +302,16 @@ class StateStore:
         payload = {"Deployment": deployment}
         event = ("Deployment", "DeploymentStatusUpdate", deployment["ID"], deployment["Namespace"], payload)
         return self._touch(deployments.TABLE, event)
+
+    def delete_deployments(self, deployment_ids: Iterable[str]) -> int:
+        """Forget deployments (`DeleteDeploymentTxn`: what the garbage collector reaps)."""
+        for deployment_id in deployment_ids:
+            deployment = self.deployments.pop(deployment_id, None)
+            if deployment is not None:
+                key = (deployment["Namespace"], deployment["JobID"])
+                self._deployments_by_job.get(key, {}).pop(deployment_id, None)
+                self._touch(deployments.TABLE)
+        return self.index
 
     def deployments_for_job(self, namespace: str, job_id: str) -> list[Json]:
         return list(self._deployments_by_job.get((namespace, job_id), {}).values())

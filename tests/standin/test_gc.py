@@ -14,6 +14,7 @@ import pytest
 import requests
 
 from devstack.nomad.clock import Clock
+from devstack.nomad.encode import rfc3339
 from devstack.nomad.gc import Collected, GCConfig
 from devstack.nomad.nodes import node_from_spec
 from devstack.nomad.server import NomadServer
@@ -168,3 +169,121 @@ def test_system_gc_over_http_forgets_a_replaced_failure(start_standin: Any, tmp_
     assert response.status_code == 200 and response.text == "null"
     assert first["ID"] not in {a["ID"] for a in client.job.get_allocations("crash")}
     assert requests.get(f"{standin.url}/v1/allocation/{first['ID']}", timeout=10).status_code == 404
+
+
+def healthy(srv: NomadServer, alloc: Json) -> None:
+    """What the client's health tracker reports once the allocation is healthy, and the
+    evaluation the deployment watcher then creates (which marks a finished deployment
+    successful)."""
+    status = {"Healthy": True, "Timestamp": rfc3339(srv.clock.now_ns()), "Canary": False, "ModifyIndex": 0}
+    srv.store.upsert_alloc({**srv.store.allocs[alloc["ID"]], "DeploymentStatus": status})
+    evaluation = srv.deployment_eval(srv.store.deployments[alloc["DeploymentID"]])
+    assert evaluation is not None
+    srv.scheduler.process(evaluation["ID"])
+
+
+def deployed(srv: NomadServer, job_id: str, version: str = "1h") -> Json:
+    """Registers (a new version of) the job and lets its deployment succeed; returns it."""
+    register(srv, mock_job(job_id, count=1, config={"run_for": version}))
+    (alloc,) = [a for a in live(srv, job_id) if a["ClientStatus"] == "pending"]
+    report(srv, alloc, "running")
+    healthy(srv, alloc)
+    deployment = srv.store.deployments[alloc["DeploymentID"]]
+    assert deployment["Status"] == "successful"
+    return deployment
+
+
+async def test_a_replaced_deployment_goes_after_an_hour_and_an_active_one_stays(server: NomadServer) -> None:
+    """`deploymentGC`: terminal, unchanged for deployment_gc_threshold (1h), and no allocation
+    that is not terminal still under it. An active deployment stays however old it is."""
+    first = deployed(server, "web")
+    # A new version replaces the allocation; its own deployment stays running (nothing reports
+    # the new allocation healthy).
+    register(server, mock_job("web", count=1, config={"run_for": "2h"}))
+    (second,) = [d for d in server.store.deployments_for_job("default", "web") if d["ID"] != first["ID"]]
+    assert second["Status"] == "running"
+    later(server, 0.5 * HOUR)
+    assert server.gc.collect(forced=False).deployments == 0
+    later(server, 0.6 * HOUR)
+    assert server.gc.collect(forced=False).deployments == 1
+    assert first["ID"] not in server.store.deployments
+    assert [d["ID"] for d in server.store.deployments_for_job("default", "web")] == [second["ID"]]
+    later(server, 24 * HOUR)
+    assert server.force_gc().deployments == 0
+    assert second["ID"] in server.store.deployments
+
+
+async def test_a_forced_gc_collects_finished_deployments_whatever_their_age(server: NomadServer) -> None:
+    """Except one whose allocation still runs: a running job's last deployment stays."""
+    first = deployed(server, "web")
+    second = deployed(server, "web", version="2h")
+    done = server.force_gc()
+    assert done.deployments == 1 and done.jobs == 0
+    assert list(server.store.deployments) == [second["ID"]]
+    assert first["ID"] not in {d["ID"] for d in server.store.deployments_for_job("default", "web")}
+
+
+async def test_a_collected_or_purged_job_takes_its_deployments_with_it(tmp_path: Path) -> None:
+    """Nomad deletes a job's deployments with the job (`deleteJobImpl`), so with a deployment
+    threshold longer than the job's they go at the job's."""
+    nodes = [node_from_spec(tiny_node("tiny-0"))]
+    srv = NomadServer(nodes, None, tmp_path, HandClock(), GCConfig(deployment_threshold_s=24 * HOUR))
+    srv.store.upsert_node(nodes[0])
+    try:
+        deployed(srv, "gone")
+        (alloc,) = live(srv, "gone")
+        stop = srv.deregister("default", "gone", purge=False)
+        srv.scheduler.process(stop["EvalID"])
+        report(srv, srv.store.allocs[alloc["ID"]], "complete")
+        later(srv, 4.1 * HOUR)
+        done = srv.gc.collect(forced=False)
+        assert (done.jobs, done.deployments) == (1, 1)
+        assert srv.store.deployments == {} and srv.store.deployments_for_job("default", "gone") == []
+
+        # A purge (`nomad job stop -purge`) does the same at once.
+        deployed(srv, "purged")
+        srv.deregister("default", "purged", purge=True)
+        assert srv.store.deployments == {}
+    finally:
+        await srv.scheduler.stop()
+
+
+def test_deployments_collected_on_the_interval_are_gone_from_the_api(start_standin: Any) -> None:
+    """`--deployment-gc-threshold` against the process: a replaced version's deployment goes from
+    `/v1/deployments` and `/v1/deployment/<id>` answers 404; the running one stays."""
+    standin: StandIn = start_standin(
+        nodes=[tiny_node("tiny-0")],
+        clock_speed=20,
+        consul=False,
+        extra_args=["--gc-interval", "10s", "--deployment-gc-threshold", "20s"],
+    )
+    client = standin.client()
+
+    def deployment(status: str) -> Json | None:
+        found: Json | None = requests.get(f"{standin.url}/v1/job/web/deployment", timeout=10).json()
+        return found if found is not None and found["Status"] == status else None
+
+    client.jobs.register_job(mock_job("web", count=1))
+    first = wait_for(lambda: deployment("successful"), 20, "the first deployment successful")
+    # The new version's allocation takes half an hour (of the stand-in's clock) to count as healthy.
+    minute = 60 * SECOND
+    slow = {
+        "MaxParallel": 1,
+        "MinHealthyTime": 30 * minute,
+        "HealthyDeadline": 60 * minute,
+        "ProgressDeadline": 120 * minute,
+    }
+    client.jobs.register_job(mock_job("web", count=1, config={"run_for": "2h"}, Update=slow))
+    second = wait_for(lambda: deployment("running"), 20, "the second deployment running")
+
+    def collected() -> bool:
+        listed = requests.get(f"{standin.url}/v1/deployments", timeout=10).json()
+        return first["ID"] not in {d["ID"] for d in listed}
+
+    wait_for(collected, 30, "the first deployment collected")
+    assert requests.get(f"{standin.url}/v1/deployment/{first['ID']}", timeout=10).status_code == 404
+    listed = requests.get(f"{standin.url}/v1/deployments", timeout=10).json()
+    assert [d["ID"] for d in listed] == [second["ID"]]
+    assert (
+        requests.get(f"{standin.url}/v1/deployment/{second['ID']}", timeout=10).json()["Status"] == "running"
+    )
