@@ -16,6 +16,7 @@ from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
 from nomad_driver.hcl import job_to_hcl
+from nomad_driver.placement import fabric_constraint
 from nomad_driver.spec import Model, Profile
 
 GROUP_NAME = "engine"
@@ -497,11 +498,14 @@ def _shell_word(word: str) -> str:
     return "'" + word.replace("'", "'\\''") + "'"
 
 
-def render_replica_job(model: Model, replica: int, *, namespace: str | None = None) -> dict[str, Any]:
+def render_replica_job(
+    model: Model, replica: int, *, namespace: str | None = None, fabric: str | None = None
+) -> dict[str, Any]:
     """Replica `replica` of a multi-node model: the leader group and the shard group, each on a
     node of its own (`distinct_hosts`), every one asking for all of its node's GPUs. The replica
     runs when the model's replica count reaches it: the first `replicas.min` are rendered at
-    full count, the others at 0, ready to be scaled up."""
+    full count, the others at 0, ready to be scaled up. With `fabric` (the watcher's choice),
+    every shard is pinned to that fabric's nodes."""
     p = model.profile
     job_id = replica_job_id(model, replica)
     # The single-node job is the base: same meta, placement, policies and leader service.
@@ -512,6 +516,8 @@ def render_replica_job(model: Model, replica: int, *, namespace: str | None = No
     # Nomad places each allocation on its own; only this keeps two shards of one replica off one
     # node. The fabric constraint that keeps them in one fabric is the watcher's to add.
     job["Constraints"] = [{"Operand": "distinct_hosts", "RTarget": "true"}]
+    if fabric:
+        job["Constraints"].append(fabric_constraint(fabric))
     running = replica < model.replicas_min
 
     leader = job["TaskGroups"][0]
