@@ -452,6 +452,11 @@ def _parse_models(
             problems.append(f"{path}.replicas.max: must be >= 1, got {rmax}")
         elif rmin > rmax:
             problems.append(f"{path}.replicas: min {rmin} is greater than max {rmax}")
+        elif profile is not None and profile.nodes > 1 and rmax > 1:
+            problems.append(
+                f"{path}.replicas.max: a multi-node model (profile {doc.profile!r}, nodes: "
+                f"{profile.nodes}) runs at most 1 replica, got {rmax}"
+            )
 
         idle = _duration(doc.idle_timeout, DEFAULT_IDLE_TIMEOUT_S, f"{path}.idle_timeout", problems)
         activation = _duration(

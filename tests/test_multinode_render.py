@@ -53,7 +53,7 @@ MODELS = textwrap.dedent(
       gemma-split:
         source: file:///srv/models/gemma.gguf
         profile: rpc-2x24g
-        replicas: {min: 1, max: 2}
+        replicas: {min: 1, max: 1}
       cpu-split:
         source: file:///srv/models/tiny.gguf
         profile: rpc-3-cpu
@@ -108,21 +108,34 @@ def test_a_single_node_model_renders_as_before() -> None:
 
 def test_each_replica_is_a_job_of_its_own_whose_ids_cannot_be_another_models() -> None:
     model = SET.models["gemma-split"]
-    assert replica_job_ids(model) == ["llmgw-gemma-split", "llmgw-gemma-split:1"]
+    assert replica_job_ids(model) == ["llmgw-gemma-split"]
     assert render_job(model) == render_replica_job(model, 0)
     # ':' is not allowed in model names, so no model's own job is called like a replica.
     with pytest.raises(SpecError):
         parse_models(MODELS.replace("gemma-split:", "gemma-split:1:"))
-    files = render_files([model], "json")
-    assert sorted(files) == ["llmgw-gemma-split-r1.nomad.json", "llmgw-gemma-split.nomad.json"]
-    first = json.loads(files["llmgw-gemma-split.nomad.json"])["Job"]
-    second = json.loads(files["llmgw-gemma-split-r1.nomad.json"])["Job"]
+    assert sorted(render_files([model], "json")) == ["llmgw-gemma-split.nomad.json"]
+    first = render_replica_job(model, 0)
+    second = render_replica_job(model, 1)
     assert first["ID"] == "llmgw-gemma-split" and second["ID"] == "llmgw-gemma-split:1"
-    # replicas.min 1: the first replica runs, the second waits at count 0 for activation.
+    # replicas.min 1: the first replica runs; one beyond the minimum waits at count 0.
     assert [g["Count"] for g in first["TaskGroups"]] == [1, 1]
     assert [g["Count"] for g in second["TaskGroups"]] == [0, 0]
     assert second["Meta"]["llmgw_replica"] == "1" and second["Meta"]["llmgw_nodes"] == "2"
     assert second["Meta"]["llmgw_model"] == "gemma-split"
+
+
+def test_a_multi_node_model_runs_one_replica_until_the_watcher_manages_more() -> None:
+    with pytest.raises(SpecError) as err:
+        parse_models(
+            MODELS.replace(
+                "replicas: {min: 1, max: 1}\n  cpu-split", "replicas: {min: 1, max: 2}\n  cpu-split"
+            )
+        )
+    (problem,) = err.value.problems
+    assert problem == (
+        "models.gemma-split.replicas.max: a multi-node model (profile 'rpc-2x24g', nodes: 2) "
+        "runs at most 1 replica, got 2"
+    )
 
 
 def test_a_llama_cpp_replica_is_a_leader_and_shards_on_distinct_nodes_each_with_all_its_gpus() -> None:
