@@ -327,8 +327,8 @@ SHARD_GROUP = "shard"
 SHARD_SERVICE = "llmgw-shard"
 RPC_PORT_LABEL = "rpc"
 RAY_PORT_LABEL = "ray"
-RPC_SERVERS_VAR = "LLMGW_RPC_SERVERS"
-RAY_HEAD_VAR = "LLMGW_RAY_HEAD"
+RPC_SERVERS_VAR = "RPC_SERVERS"
+RAY_HEAD_VAR = "RAY_HEAD_ADDRESS"
 RAY_HEAD_SERVICE = "llmgw-ray-head"
 # Ray's head and workers, and vLLM's own processes, in the same vLLM image.
 RAY_HEAD_PORT = 6379
@@ -357,7 +357,7 @@ def _shard_lookup(job_id: str) -> str:
 
 
 def _rpc_servers_template(job_id: str) -> dict[str, Any]:
-    """`LLMGW_RPC_SERVERS=host:port,...` of this replica's shards. `restart` on change: the
+    """`RPC_SERVERS=host:port,...` of this replica's shards. `restart` on change: the
     leader's llama-server holds its shards' connections for life, so a new set means a new
     start (and a vanished shard kills it anyway)."""
     body = (
@@ -477,7 +477,7 @@ def _replica_engine(model: Model, job_id: str, weights: Weights) -> tuple[dict[s
 
 
 def _ray_head_lookup(job_id: str) -> dict[str, Any]:
-    """`LLMGW_RAY_HEAD=host:port` of this replica's head; a new head restarts the shard into it."""
+    """`RAY_HEAD_ADDRESS=host:port` of this replica's head; a new head restarts the shard into it."""
     body = (
         f'{RAY_HEAD_VAR}={{{{ range service "{shard_tag(job_id)}.{RAY_HEAD_SERVICE}" }}}}'
         "{{ .Address }}:{{ .Port }}{{ end }}\n"

@@ -185,7 +185,7 @@ def test_a_vllm_replica_joins_its_shards_to_the_leaders_ray_head_found_in_consul
     assert "llmgw-ray-head" in [s["Name"] for s in leader["Services"]]
     (lookup,) = shards["Tasks"][0]["Templates"]
     assert 'service "job=llmgw-llama-405b.llmgw-ray-head"' in lookup["EmbeddedTmpl"]
-    assert "ray start --block --address=$LLMGW_RAY_HEAD" in shards["Tasks"][0]["Config"]["args"][1]
+    assert "ray start --block --address=$RAY_HEAD_ADDRESS" in shards["Tasks"][0]["Config"]["args"][1]
     for group in (leader, shards):
         assert group["Tasks"][0]["Resources"]["Devices"][0]["Count"] == 8
 

@@ -59,7 +59,7 @@ def wired_job() -> dict[str, Any]:
     task.pop("Artifacts")
     task["Config"] = {
         "command": "/bin/sh",
-        "args": ["-c", 'echo "shards=$LLMGW_RPC_SERVERS"; exec sleep 1000'],
+        "args": ["-c", 'echo "shards=$RPC_SERVERS"; exec sleep 1000'],
     }
     shards["Tasks"][0]["Config"] = {
         "command": sys.executable,

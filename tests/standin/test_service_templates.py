@@ -20,9 +20,9 @@ def test_the_leaders_template_lists_its_shards_comma_separated() -> None:
     (query,) = lookups(text)
     assert split_query(query) == ("llmgw-shard", "job=llmgw-gemma-split:1")
     shards = [("10.0.0.1", 4001), ("10.0.0.2", 4002)]
-    assert render_services(text, {query: shards}, {}) == "LLMGW_RPC_SERVERS=10.0.0.1:4001,10.0.0.2:4002\n"
-    assert render_services(text, {query: shards[:1]}, {}) == "LLMGW_RPC_SERVERS=10.0.0.1:4001\n"
-    assert render_services(text, {}, {}) == "LLMGW_RPC_SERVERS=\n"
+    assert render_services(text, {query: shards}, {}) == "RPC_SERVERS=10.0.0.1:4001,10.0.0.2:4002\n"
+    assert render_services(text, {query: shards[:1]}, {}) == "RPC_SERVERS=10.0.0.1:4001\n"
+    assert render_services(text, {}, {}) == "RPC_SERVERS=\n"
 
 
 def test_a_tag_with_dots_keeps_everything_before_the_last_dot() -> None:
