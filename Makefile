@@ -15,6 +15,13 @@ PROMTOOL_BIN := $(CACHE)/prometheus/usr/bin/promtool
 LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
 LLAMA_WHEELS := $(CACHE)/wheels/llama-cpp-python-$(LLAMA_CPP_PYTHON)-x86-64-v3
 LLAMA_WHEEL_STAMP := $(LLAMA_WHEELS)/.built
+# The real llama.cpp programs (`llama-server`, and `ggml-rpc-server` for the workers of a multi-node
+# replica), built from the llama.cpp source the same llama-cpp-python sdist vendors, with the same
+# flavour as the wheel, so both engines run the same llama.cpp.
+LLAMA_CPP := $(CACHE)/llama.cpp-$(LLAMA_CPP_PYTHON)-x86-64-v3
+LLAMA_CPP_STAMP := $(LLAMA_CPP)/.built
+LLAMA_SERVER_BIN := $(LLAMA_CPP)/build/bin/llama-server
+RPC_SERVER_BIN := $(LLAMA_CPP)/build/bin/ggml-rpc-server
 # The Prometheus server the dev stack runs comes from bullseye: Debian's later packages are built
 # without Consul service discovery (since 2.33.5+ds1-4), which is how it finds llmgw. Its web UI
 # links its scripts, styles and fonts from the libjs-* packages, unpacked beside it.
@@ -27,10 +34,12 @@ export LLMGW_CONSUL_BIN := $(CONSUL_BIN)
 export LLMGW_PROMTOOL_BIN := $(PROMTOOL_BIN)
 export LLMGW_PROMETHEUS_BIN := $(PROMETHEUS_BIN)
 export LLMGW_CHROMIUM_BIN := $(CHROMIUM_BIN)
+export LLMGW_LLAMA_SERVER_BIN := $(LLAMA_SERVER_BIN)
+export LLMGW_RPC_SERVER_BIN := $(RPC_SERVER_BIN)
 
 .PHONY: setup test lint typecheck pytest demo clean
 
-setup: $(VENV)/.installed $(CONSUL_BIN) $(PROMTOOL_BIN) $(PROMETHEUS_BIN) $(CHROMIUM_BIN)
+setup: $(VENV)/.installed $(CONSUL_BIN) $(PROMTOOL_BIN) $(PROMETHEUS_BIN) $(CHROMIUM_BIN) $(LLAMA_CPP_STAMP)
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +50,22 @@ $(LLAMA_WHEEL_STAMP):
 	@mkdir -p $(LLAMA_WHEELS)
 	@echo "building llama-cpp-python $(LLAMA_CPP_PYTHON) once (compiles llama.cpp, ~4 min on 2 cores)..."
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PYTHON) -m pip wheel --no-deps --no-cache-dir --wheel-dir $(LLAMA_WHEELS) 'llama-cpp-python==$(LLAMA_CPP_PYTHON)'
+	@touch $@
+
+# Only the two programs are built (not the examples or tests); about 10-15 minutes on 2 busy cores,
+# once per machine. The sdist is kept too, so a rebuild after a failed compile does not download.
+$(LLAMA_CPP_STAMP):
+	@mkdir -p $(LLAMA_CPP)/sdist $(LLAMA_CPP)/src
+	@echo "building llama-server and ggml-rpc-server once (~10-15 min on 2 cores)..."
+	test -n "$$(ls $(LLAMA_CPP)/sdist/llama_cpp_python-*.tar.gz 2>/dev/null)" || \
+		$(PYTHON) -m pip download --quiet --no-deps --no-binary llama-cpp-python --dest $(LLAMA_CPP)/sdist \
+		'llama-cpp-python==$(LLAMA_CPP_PYTHON)'
+	tar -xzf $(LLAMA_CPP)/sdist/llama_cpp_python-$(LLAMA_CPP_PYTHON).tar.gz -C $(LLAMA_CPP)/src --strip-components=1
+	cmake -S $(LLAMA_CPP)/src/vendor/llama.cpp -B $(LLAMA_CPP)/build $(LLAMA_CMAKE_ARGS) \
+		-DGGML_RPC=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+		-DCMAKE_BUILD_TYPE=Release
+	cmake --build $(LLAMA_CPP)/build -j2 --target llama-server ggml-rpc-server
+	@test -x $(LLAMA_SERVER_BIN) && test -x $(RPC_SERVER_BIN)
 	@touch $@
 
 $(VENV)/.installed: pyproject.toml $(VENV)/bin/python $(LLAMA_WHEEL_STAMP)

@@ -5,6 +5,10 @@ bin/python -m llama_cpp.server`. Here that version is a link to the virtualenv t
 runs in: a link to the venv's root, not to `bin/python`, because a python reached through a
 link to itself alone does not find the venv's site-packages (no pyvenv.cfg beside it) and
 fails to import llama_cpp.
+
+A job for engine `llama.cpp` runs `<llmgw_engines_dir>/llama.cpp/b6500/llama-server` (and
+`ggml-rpc-server` for the shards of a multi-node replica): the real programs `make setup` built,
+linked in by `devstack.llama_cpp.install_llama_cpp`.
 """
 
 from __future__ import annotations
@@ -15,13 +19,17 @@ from typing import Any
 
 import yaml
 
+from devstack.llama_cpp import install_llama_cpp
+
 ENGINE = "llama-cpp-python"
 ENGINE_VERSION = "0.3.36"
 SMALL_FLEET = Path(__file__).resolve().parent / "nodes" / "small.yaml"
 
 
 def install_engines(engines_dir: Path, venv: Path | None = None) -> Path:
-    """`engines_dir/llama-cpp-python/0.3.36` -> the virtualenv; returns the link."""
+    """`engines_dir/llama-cpp-python/0.3.36` -> the virtualenv, and llama.cpp's programs under
+    `engines_dir/llama.cpp/b6500`; returns the llama-cpp-python link."""
+    install_llama_cpp(engines_dir)
     link = engines_dir / ENGINE / ENGINE_VERSION
     link.parent.mkdir(parents=True, exist_ok=True)
     if link.is_symlink() or link.exists():

@@ -37,8 +37,10 @@ class LlamaServer:
         port: int,
         stdout_path: Path,
         stderr_path: Path,
+        ready_path: str = "/v1/models",
     ) -> None:
         self._proc = proc
+        self.ready_path = ready_path
         self.model_path = model_path
         self.host = host
         self.port = port
@@ -67,7 +69,8 @@ class LlamaServer:
         return "\n".join(self.stderr_text().splitlines()[-lines:])
 
     def wait_ready(self, timeout: float = 60.0) -> LlamaServer:
-        """Poll `/v1/models` (llama_cpp.server has no `/health`) until it answers 200."""
+        """Poll the readiness path until it answers 200: `/v1/models` for llama_cpp.server, which
+        has no `/health`, and `/health` for llama.cpp's own llama-server."""
         deadline = time.monotonic() + timeout
         with httpx.Client(timeout=2.0) as client:
             while time.monotonic() < deadline:
@@ -78,7 +81,7 @@ class LlamaServer:
                         f"was ready; stderr ({self.stderr_path}) ends:\n{self.stderr_tail()}"
                     )
                 try:
-                    if client.get(f"{self.url}/v1/models").status_code == 200:
+                    if client.get(f"{self.url}{self.ready_path}").status_code == 200:
                         return self
                 except httpx.HTTPError:
                     pass

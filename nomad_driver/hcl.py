@@ -76,6 +76,16 @@ ARTIFACT = Schema(
         "GetterHeaders": Field("headers", "map"),
     }
 )
+# A multi-node replica's leader finds its shards through a Consul `service` lookup in a template.
+TEMPLATE = Schema(
+    {
+        "EmbeddedTmpl": Field("data"),
+        "DestPath": Field("destination"),
+        "Envvars": Field("env"),
+        "ChangeMode": Field("change_mode"),
+        "Splay": Field("splay", "duration"),
+    }
+)
 TASK = Schema(
     {
         "Driver": Field("driver"),
@@ -84,6 +94,7 @@ TASK = Schema(
         "Meta": Field("meta", "map"),
         "Constraints": Field("constraint", "blocks", CONSTRAINT),
         "Artifacts": Field("artifact", "blocks", ARTIFACT),
+        "Templates": Field("template", "blocks", TEMPLATE),
         "Resources": Field("resources", "block", RESOURCES),
         "KillTimeout": Field("kill_timeout", "duration"),
     }

@@ -15,6 +15,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from nomad_driver.summary import fleet_summary
+
 # Evaluations that say nothing about placement yet (pending) or were superseded (canceled).
 _UNDECIDED = {"pending", "canceled", "cancelled"}
 
@@ -212,3 +214,75 @@ class PlacementWarnings:
     def clear(self, model: str) -> None:
         """Placed: the next failure is news again."""
         self._last.pop(model, None)
+
+
+# --- fabrics for multi-node replicas --------------------------------------------------------
+#
+# Nomad has no gang scheduling: it places each allocation of a job on its own, so nothing but a
+# constraint keeps the shards of one replica inside one fabric (nodes on different fabrics are
+# not connected to one another). The watcher picks the fabric and pins the replica to it.
+
+FABRIC_META = "llmgw_fabric"
+FABRIC_TARGET = "${meta.llmgw_fabric}"
+
+
+@dataclass(frozen=True)
+class FabricRoom:
+    """One fabric as a multi-node replica sees it: how many of its nodes are entirely free (the
+    largest block a replica can take) and whether any of them already holds the weights."""
+
+    fabric: str
+    largest_free_block: int
+    has_weights: bool = False
+
+
+def fabric_rooms(nodes: list[dict[str, Any]], allocs: list[dict[str, Any]], model: str) -> list[FabricRoom]:
+    """Each fabric's room, from Nomad's nodes and allocations, counted exactly as the fleet
+    summary counts it (so `ctl summary` shows the numbers the choice was made on)."""
+    fabrics = fleet_summary(nodes, allocs, [], {}, 0.0)["fabrics"]
+    with_weights = set()
+    for node in nodes:
+        meta = node.get("Meta") if isinstance(node, dict) else None
+        if not isinstance(meta, dict) or node.get("Status") != "ready":
+            continue
+        cached = {m.strip() for m in str(meta.get("llmgw_models_cached") or "").split(",")}
+        if model in cached and meta.get(FABRIC_META):
+            with_weights.add(str(meta[FABRIC_META]))
+    return [
+        FabricRoom(
+            fabric=str(f["fabric"]),
+            largest_free_block=_int(f.get("largest_free_block")),
+            has_weights=str(f["fabric"]) in with_weights,
+        )
+        for f in fabrics
+    ]
+
+
+def choose_fabric(rooms: Sequence[FabricRoom], nodes: int, tried: Sequence[str] = ()) -> str | None:
+    """The fabric for a replica of `nodes` shards, or None when none can hold it.
+
+    Only fabrics whose largest free block is at least `nodes`; among them the one that already
+    holds the weights (tens of gigabytes not copied), then the best fit (the smallest block that
+    is big enough, so a large block stays whole for a larger model), then the name, so that two
+    watchers choose alike. Fabrics in `tried` (where Nomad could not place the replica after all)
+    come last, so the replica moves on instead of waiting on the same fabric forever."""
+    fits = [r for r in rooms if r.largest_free_block >= nodes]
+    if not fits:
+        return None
+    best = min(fits, key=lambda r: (r.fabric in tried, not r.has_weights, r.largest_free_block, r.fabric))
+    return best.fabric
+
+
+def fabric_constraint(fabric: str) -> dict[str, Any]:
+    """The job constraint that keeps every shard of a replica in `fabric`."""
+    return {"LTarget": FABRIC_TARGET, "RTarget": fabric, "Operand": "="}
+
+
+def no_fabric_reason(rooms: Sequence[FabricRoom], nodes: int) -> str:
+    """Why no fabric can hold a replica, naming each fabric and its largest free block:
+    `needs 3 entirely free nodes in one fabric; largest free blocks: ib-a 2, ib-b 2`."""
+    head = f"needs {nodes} entirely free nodes in one fabric"
+    if not rooms:
+        return f"{head}; no node reports a fabric ({FABRIC_META})"
+    blocks = ", ".join(f"{r.fabric} {r.largest_free_block}" for r in sorted(rooms, key=lambda r: r.fabric))
+    return f"{head}; largest free blocks: {blocks}"

@@ -7,6 +7,7 @@ is asked for again on the next pass, so a lost event or a failed call heals itse
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -14,6 +15,7 @@ from typing import Any, Literal
 
 from nomad_driver.parking import Ledger, StartId, count_start_failures
 from nomad_driver.placement import latest_placement_failure
+from nomad_driver.render import SHARD_GROUP
 from nomad_driver.spec import Model
 from nomad_driver.state import ModelState
 
@@ -271,7 +273,18 @@ def desired_replicas(view: ModelView, count: int) -> int:
     return max(0, min(want, m.replicas_max))
 
 
+def replica_view(view: ModelView) -> ModelView:
+    """A multi-node replica counts as one start, whichever shard failed: its leader cannot run
+    without every shard (llama-server aborts when one goes), so the leader's starts are the
+    replica's starts, and the shards' allocations are left out of the count."""
+    if view.model.profile.nodes <= 1:
+        return view
+    leaders = tuple(a for a in view.allocs if a.get("TaskGroup") != SHARD_GROUP)
+    return dataclasses.replace(view, allocs=leaders)
+
+
 def reconcile(view: ModelView, max_start_failures: int = DEFAULT_MAX_START_FAILURES) -> Decision:
+    view = replica_view(view)
     m = view.model
     stored = view.state or ModelState()
     state = stored

@@ -7,6 +7,7 @@ Nomad's `api` package (`api/jobs.go`, `api/tasks.go`, `api/resources.go`, `api/s
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import posixpath
 import re
@@ -15,6 +16,7 @@ from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
 from nomad_driver.hcl import job_to_hcl
+from nomad_driver.placement import fabric_constraint
 from nomad_driver.spec import Model, Profile
 
 GROUP_NAME = "engine"
@@ -197,6 +199,8 @@ def render_job(model: Model, *, namespace: str | None = None) -> dict[str, Any]:
     watcher place a model alike. The namespace is the cluster's, not the model's: left out
     unless given, a job lands in the namespace of the call that registers it (`NOMAD_NAMESPACE`,
     which Nomad also prefers over the job's own field), never silently in `default`."""
+    if model.profile.nodes > 1:
+        return render_replica_job(model, 0, namespace=namespace)
     p = model.profile
     weights = weights_for(model.source)
     driver, config, env = _engine_task_config(model, weights)
@@ -303,6 +307,9 @@ def render_files(models: list[Model], fmt: str, *, namespace: str | None = None)
     same file works with `nomad job run -json` and as the body of `PUT /v1/jobs`."""
     files: dict[str, str] = {}
     for model in models:
+        if model.profile.nodes > 1:
+            files.update(_replica_files(model, fmt, namespace))
+            continue
         if fmt == "json":
             text = json.dumps({"Job": render_job(model, namespace=namespace)}, indent=2) + "\n"
         elif fmt == "hcl":
@@ -310,4 +317,295 @@ def render_files(models: list[Model], fmt: str, *, namespace: str | None = None)
         else:
             raise ValueError(f"unknown format {fmt!r}: expected hcl or json")
         files[job_filename(model, fmt)] = text
+    return files
+
+
+# --- multi-node replicas ---------------------------------------------------------------------
+#
+# A model with `nodes: N` runs each replica as one Nomad job of its own: a leader group (count 1)
+# that serves the API, and a shard group (count N-1) whose processes hold the rest of the layers.
+# One job per replica, because Nomad has no way to pair the groups of one job: with a count of
+# several replicas, the third leader could not say which two workers are its own. A job per
+# replica is also what stops and starts as one (scaling both groups, or deregistering it).
+
+LEADER_GROUP = GROUP_NAME  # the leader keeps the name that status and summaries know as the replica
+SHARD_GROUP = "shard"
+SHARD_SERVICE = "llmgw-shard"
+RPC_PORT_LABEL = "rpc"
+RAY_PORT_LABEL = "ray"
+RPC_SERVERS_VAR = "RPC_SERVERS"
+RAY_HEAD_VAR = "RAY_HEAD_ADDRESS"
+RAY_HEAD_SERVICE = "llmgw-ray-head"
+# Ray's head and workers, and vLLM's own processes, in the same vLLM image.
+RAY_HEAD_PORT = 6379
+
+
+def replica_job_id(model: Model, replica: int) -> str:
+    """`llmgw-<model>` for the first replica, so the model's job is where it always was;
+    `llmgw-<model>:<k>` for the others (':' is no character of a model name, so no other model's
+    job can be called this)."""
+    return model.job_id if replica == 0 else f"{model.job_id}:{replica}"
+
+
+def replica_job_ids(model: Model) -> list[str]:
+    return [replica_job_id(model, k) for k in range(model.replicas_max)]
+
+
+def shard_tag(job_id: str) -> str:
+    """The tag the shards of one replica carry; the leader's template looks up exactly these."""
+    return f"job={job_id}"
+
+
+def _shard_lookup(job_id: str) -> str:
+    # consul-template's `service "TAG.NAME"`: passing instances only, so a shard that fails its
+    # check leaves the list and the leader is restarted without it.
+    return f'service "{shard_tag(job_id)}.{SHARD_SERVICE}"'
+
+
+def _rpc_servers_template(job_id: str) -> dict[str, Any]:
+    """`RPC_SERVERS=host:port,...` of this replica's shards. `restart` on change: the
+    leader's llama-server holds its shards' connections for life, so a new set means a new
+    start (and a vanished shard kills it anyway)."""
+    body = (
+        f"{RPC_SERVERS_VAR}={{{{ range $i, $s := {_shard_lookup(job_id)} }}}}"
+        "{{ if $i }},{{ end }}{{ $s.Address }}:{{ $s.Port }}{{ end }}\n"
+    )
+    return {
+        "EmbeddedTmpl": body,
+        "DestPath": "local/shards.env",
+        "Envvars": True,
+        "ChangeMode": "restart",
+        "Splay": 0,
+    }
+
+
+def _wait_for_shards(workers: int, var: str, command: str) -> list[str]:
+    """A shell that starts the leader only once the template lists all `workers` shards, and
+    otherwise waits, listening on nothing, so its check fails and no half replica serves: when
+    the last shard registers, the template changes and Nomad restarts it into the real start."""
+    script = (
+        f'n=$(printf %s "${var}" | tr , "\n" | grep -c .); '
+        f'if [ "$n" -lt {workers} ]; then '
+        f'echo "waiting for {workers} shard(s), $n registered and healthy" >&2; exec sleep 2147483647; fi; '
+        f"exec {command}"
+    )
+    return ["-c", script]
+
+
+def _replica_engine(model: Model, job_id: str, weights: Weights) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(leader task, shard task) for the model's engine."""
+    p = model.profile
+    engines = "${meta.llmgw_engines_dir}"
+    workers = p.nodes - 1
+    env: dict[str, str] = {}
+    if p.gpus > 0 and p.engine != "vllm":
+        env["CUDA_VISIBLE_DEVICES"] = "${NVIDIA_VISIBLE_DEVICES}"
+    if p.engine == "llama.cpp":
+        binary = f"{engines}/llama.cpp/{p.engine_version}"
+        leader_args = [
+            "--model",
+            weights.model_arg,
+            "--host",
+            "${NOMAD_IP_http}",
+            "--port",
+            "${NOMAD_PORT_http}",
+        ]
+        leader_args += [
+            "--ctx-size",
+            str(p.context),
+            "--alias",
+            model.name,
+            "--rpc",
+            f"${{{RPC_SERVERS_VAR}}}",
+        ]
+        # Every layer goes to a device, local GPUs and the shards' alike; without it llama.cpp
+        # keeps the model on the leader's CPU and the shards hold nothing.
+        leader_args += ["-ngl", "999", *p.args]
+        command = " ".join(_shell_word(a) for a in [f"{binary}/llama-server", *leader_args])
+        leader: dict[str, Any] = {
+            "Driver": "raw_exec",
+            "Config": {"command": "/bin/sh", "args": _wait_for_shards(workers, RPC_SERVERS_VAR, command)},
+            "Templates": [_rpc_servers_template(job_id)],
+        }
+        shard: dict[str, Any] = {
+            "Driver": "raw_exec",
+            "Config": {
+                "command": f"{binary}/ggml-rpc-server",
+                "args": ["--host", "${NOMAD_IP_rpc}", "--port", "${NOMAD_PORT_rpc}"],
+            },
+        }
+        if env:
+            leader["Env"] = dict(env)
+            shard["Env"] = dict(env)
+        return leader, shard
+
+    # vLLM over Ray: the leader starts Ray's head and then vLLM, which waits until the Ray
+    # cluster holds the GPUs of all `nodes` (its placement group) before it loads; each shard
+    # finds the head through Consul and joins with its node's GPUs. Pipeline parallelism across
+    # the nodes, tensor parallelism within each.
+    image = f"vllm/vllm-openai:{p.engine_version}"
+    serve = ["vllm", "serve", weights.model_arg, "--served-model-name", model.name, "--host", "0.0.0.0"]
+    serve += ["--port", "${NOMAD_PORT_http}", "--max-model-len", str(p.context)]
+    serve += ["--tensor-parallel-size", str(p.gpus), "--pipeline-parallel-size", str(p.nodes)]
+    serve += ["--distributed-executor-backend", "ray", *p.args]
+    head = (
+        f"ray start --head --node-ip-address=${{NOMAD_IP_{RAY_PORT_LABEL}}} --port=${{NOMAD_PORT_{RAY_PORT_LABEL}}}"
+        " && exec " + " ".join(_shell_word(a) for a in serve)
+    )
+    # Host networking: Ray opens ports of its own between the nodes beyond the one Nomad gives.
+    leader = {
+        "Driver": "docker",
+        "Config": {
+            "image": image,
+            "entrypoint": ["/bin/sh"],
+            "args": ["-c", head],
+            "network_mode": "host",
+            "shm_size": VLLM_SHM_BYTES,
+        },
+    }
+    join = (
+        f'test -n "${RAY_HEAD_VAR}" || {{ echo "waiting for the Ray head in Consul" >&2; exec sleep 2147483647; }}; '
+        f"exec ray start --block --address=${RAY_HEAD_VAR} --node-ip-address=${{NOMAD_IP_{RPC_PORT_LABEL}}} "
+        f"--node-manager-port=${{NOMAD_PORT_{RPC_PORT_LABEL}}}"
+    )
+    shard = {
+        "Driver": "docker",
+        "Config": {
+            "image": image,
+            "entrypoint": ["/bin/sh"],
+            "args": ["-c", join],
+            "network_mode": "host",
+            "shm_size": VLLM_SHM_BYTES,
+        },
+        "Templates": [_ray_head_lookup(job_id)],
+    }
+    return leader, shard
+
+
+def _ray_head_lookup(job_id: str) -> dict[str, Any]:
+    """`RAY_HEAD_ADDRESS=host:port` of this replica's head; a new head restarts the shard into it."""
+    body = (
+        f'{RAY_HEAD_VAR}={{{{ range service "{shard_tag(job_id)}.{RAY_HEAD_SERVICE}" }}}}'
+        "{{ .Address }}:{{ .Port }}{{ end }}\n"
+    )
+    return {
+        "EmbeddedTmpl": body,
+        "DestPath": "local/head.env",
+        "Envvars": True,
+        "ChangeMode": "restart",
+        "Splay": 0,
+    }
+
+
+def _shell_word(word: str) -> str:
+    """One argument for /bin/sh; `${VAR}` is left for Nomad to interpolate before the shell runs."""
+    if re.fullmatch(r"[A-Za-z0-9_./:=,@%+${}-]+", word):
+        return word
+    return "'" + word.replace("'", "'\\''") + "'"
+
+
+def render_replica_job(
+    model: Model, replica: int, *, namespace: str | None = None, fabric: str | None = None
+) -> dict[str, Any]:
+    """Replica `replica` of a multi-node model: the leader group and the shard group, each on a
+    node of its own (`distinct_hosts`), every one asking for all of its node's GPUs. The replica
+    runs when the model's replica count reaches it: the first `replicas.min` are rendered at
+    full count, the others at 0, ready to be scaled up. With `fabric` (the watcher's choice),
+    every shard is pinned to that fabric's nodes."""
+    p = model.profile
+    job_id = replica_job_id(model, replica)
+    # The single-node job is the base: same meta, placement, policies and leader service.
+    one = dataclasses.replace(model, profile=p.model_copy(update={"nodes": 1}))
+    job = render_job(one, namespace=namespace)
+    job["ID"] = job["Name"] = job_id
+    job["Meta"] = {**job["Meta"], "llmgw_nodes": str(p.nodes), "llmgw_replica": str(replica)}
+    # Nomad places each allocation on its own; only this keeps two shards of one replica off one
+    # node. The fabric constraint that keeps them in one fabric is the watcher's to add.
+    job["Constraints"] = [{"Operand": "distinct_hosts", "RTarget": "true"}]
+    if fabric:
+        job["Constraints"].append(fabric_constraint(fabric))
+    running = replica < model.replicas_min
+
+    leader = job["TaskGroups"][0]
+    leader_task, shard_task = _replica_engine(model, job_id, weights_for(model.source))
+    template_task = leader["Tasks"][0]
+    for task, base in ((leader_task, template_task), (shard_task, template_task)):
+        task["Name"] = TASK_NAME
+        task["Resources"] = base["Resources"]
+        task["KillTimeout"] = base["KillTimeout"]
+    if "Artifacts" in template_task:
+        leader_task["Artifacts"] = template_task["Artifacts"]
+    leader["Tasks"] = [_ordered_task(leader_task)]
+    leader["Count"] = 1 if running else 0
+    leader["Scaling"] = {"Min": 0, "Max": 1, "Enabled": False}
+    if p.engine == "vllm":
+        leader["Networks"] = [
+            {"DynamicPorts": [{"Label": PORT_LABEL}, {"Label": RAY_PORT_LABEL}], "ReservedPorts": []}
+        ]
+        leader["Services"].append(
+            {
+                "Name": RAY_HEAD_SERVICE,
+                "PortLabel": RAY_PORT_LABEL,
+                "Tags": [shard_tag(job_id), f"model={model.name}"],
+                "Meta": {"model": model.name, "def_hash": model.def_hash, "job": job_id},
+                "Checks": [_tcp_check("ray head up", RAY_PORT_LABEL)],
+            }
+        )
+
+    shard_group: dict[str, Any] = {
+        "Name": SHARD_GROUP,
+        "Count": p.nodes - 1 if running else 0,
+        "Constraints": leader["Constraints"],
+        "Scaling": {"Min": 0, "Max": p.nodes - 1, "Enabled": False},
+        "Networks": [{"DynamicPorts": [{"Label": RPC_PORT_LABEL}], "ReservedPorts": []}],
+        # The shards' own service: what the leader's template looks up, and what an operator sees
+        # in Consul as the replica's other nodes.
+        "Services": [
+            {
+                "Name": SHARD_SERVICE,
+                "PortLabel": RPC_PORT_LABEL,
+                "Tags": [shard_tag(job_id), f"model={model.name}"],
+                "Meta": {"model": model.name, "def_hash": model.def_hash, "job": job_id},
+                "Checks": [_tcp_check("shard listening", RPC_PORT_LABEL)],
+            }
+        ],
+        "RestartPolicy": leader["RestartPolicy"],
+        "ReschedulePolicy": leader["ReschedulePolicy"],
+        "Tasks": [_ordered_task(shard_task)],
+    }
+    job["TaskGroups"] = [leader, shard_group]
+    return job
+
+
+def _tcp_check(name: str, port: str) -> dict[str, Any]:
+    return {
+        "Name": name,
+        "Type": "tcp",
+        "PortLabel": port,
+        "Interval": CHECK_INTERVAL,
+        "Timeout": CHECK_TIMEOUT,
+    }
+
+
+def _ordered_task(task: dict[str, Any]) -> dict[str, Any]:
+    order = ("Name", "Driver", "Config", "Env", "Artifacts", "Templates", "Resources", "KillTimeout")
+    return {k: task[k] for k in order if k in task}
+
+
+def _replica_files(model: Model, fmt: str, namespace: str | None) -> dict[str, str]:
+    files: dict[str, str] = {}
+    for replica in range(model.replicas_max):
+        job = render_replica_job(model, replica, namespace=namespace)
+        name = f"{job['ID'].replace(':', '-r')}.nomad.{fmt}"
+        if fmt == "json":
+            files[name] = json.dumps({"Job": job}, indent=2) + "\n"
+        elif fmt == "hcl":
+            header = (
+                f"# Rendered by llmgw from model '{model.name}' (definition {model.def_hash}), "
+                f"replica {replica} of {model.replicas_max}, {model.profile.nodes} nodes each.\n"
+                "# Edit the models file and render again rather than this file.\n"
+            )
+            files[name] = header + job_to_hcl(job)
+        else:
+            raise ValueError(f"unknown format {fmt!r}: expected hcl or json")
     return files

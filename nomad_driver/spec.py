@@ -92,6 +92,9 @@ class Profile(BaseModel):
     # must be registered again, because Nomad places a job only where its job says.
     node_pool: str | None = None
     datacenters: list[str] | None = None
+    # Shards per replica, one per whole node: a model too big for one node runs as `nodes`
+    # processes on `nodes` distinct nodes of one fabric. `gpus` is then per node.
+    nodes: int = Field(default=1, ge=1, le=64)
 
     @field_validator("args", mode="before")
     @classmethod
@@ -145,6 +148,9 @@ def job_id_for(model_name: str) -> str:
 
 
 PLACEMENT_KEYS = ("node_pool", "datacenters")
+# Engines that can split one model across nodes: llama.cpp over RPC (`ggml-rpc-server` on the
+# workers), vLLM over Ray. llama-cpp-python's server has no RPC backend built in.
+SHARDING_ENGINES = ("llama.cpp", "vllm")
 
 
 def definition_hash(source: str, profile: Profile) -> str:
@@ -156,6 +162,9 @@ def definition_hash(source: str, profile: Profile) -> str:
     for key in PLACEMENT_KEYS:
         if dumped.get(key) is None:
             dumped.pop(key, None)
+    # Likewise one node, the default, is left out so that single-node models keep their hash.
+    if dumped.get("nodes") == 1:
+        dumped.pop("nodes", None)
     doc = {"source": source, "profile": dumped}
     blob = json.dumps(doc, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
@@ -480,9 +489,22 @@ def _parse_profiles(raw: Any, problems: list[str]) -> dict[str, Profile]:
             for i, dc in enumerate(profile.datacenters):
                 if not dc.strip() or any(c.isspace() for c in dc):
                     problems.append(f"{path}.datacenters.{i}: expected a datacenter name without spaces")
+        problems.extend(_nodes_problems(path, profile))
         if len(problems) == before:
             profiles[str(name)] = profile
     return profiles
+
+
+def _nodes_problems(path: str, profile: Profile) -> list[str]:
+    """What stops a multi-node profile from working, before any job is rendered."""
+    if profile.nodes == 1:
+        return []
+    if profile.engine not in SHARDING_ENGINES:
+        return [
+            f"{path}.nodes: {profile.engine} cannot split a model across nodes; "
+            f"use engine {' or '.join(SHARDING_ENGINES)} for nodes: {profile.nodes}, or nodes: 1"
+        ]
+    return []
 
 
 def _parse_models(
@@ -533,6 +555,11 @@ def _parse_models(
             problems.append(f"{path}.replicas.max: must be >= 1, got {rmax}")
         elif rmin > rmax:
             problems.append(f"{path}.replicas: min {rmin} is greater than max {rmax}")
+        elif profile is not None and profile.nodes > 1 and rmax > 1:
+            problems.append(
+                f"{path}.replicas.max: a multi-node model (profile {doc.profile!r}, nodes: "
+                f"{profile.nodes}) runs at most 1 replica, got {rmax}"
+            )
 
         idle = _duration(doc.idle_timeout, DEFAULT_IDLE_TIMEOUT_S, f"{path}.idle_timeout", problems)
         activation = _duration(

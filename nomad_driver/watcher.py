@@ -24,6 +24,7 @@ from nomad_driver import parking
 from nomad_driver.consul import Consul, ConsulError, ConsulUnavailable, KVEntry
 from nomad_driver.health import Entry, HealthEntries
 from nomad_driver.leader import LeaderInfo, Leadership, LeaseLost
+from nomad_driver.multinode import pin_to_fabric, scale_replica, set_replica_count
 from nomad_driver.nomad import Nomad, NomadError, NomadUnavailable
 from nomad_driver.placement import PlacementWarnings
 from nomad_driver.reconcile import (
@@ -739,20 +740,26 @@ class Watcher:
     async def _apply_once(self, model: Model, action: Action) -> None:
         if isinstance(action, RegisterJob):
             job = render_job(model)
-            job["TaskGroups"][0]["Count"] = action.count
+            set_replica_count(job, action.count)
+            pin_to_fabric(
+                job, model, self.nodes.snapshot.data if self.nodes.snapshot else (), self._live_allocs()
+            )
             self.leadership.check_lease(f"registering {model.job_id}")
             await asyncio.to_thread(self.nomad.register_job, job)
             log.info("event=job_registered model=%s job=%s count=%d", model.name, model.job_id, action.count)
         elif isinstance(action, Scale):
             self.leadership.check_lease(f"scaling {action.job_id}")
             await asyncio.to_thread(
-                self.nomad.scale, action.job_id, action.group, action.count, action.message
+                scale_replica, self.nomad, action.job_id, action.group, action.count, action.message, model
             )
             log.info("event=scaled model=%s count=%d message=%r", model.name, action.count, action.message)
         elif isinstance(action, Park):
             await self._park(model, action)
         elif isinstance(action, WriteState):
             await self._write_state(model.name, action.state, action.cas)
+
+    def _live_allocs(self) -> tuple[dict[str, Any], ...]:
+        return self.allocs.snapshot.data if self.allocs.snapshot else ()
 
     async def _park(self, model: Model, action: Park) -> None:
         # Read before anything is written (the pass already did; this is its cached answer), so
@@ -764,7 +771,7 @@ class Watcher:
         )
         # Stop it first: a replica placed while we write state would be a sixth start.
         self.leadership.check_lease(f"parking {action.job_id}")
-        await asyncio.to_thread(self.nomad.scale, action.job_id, action.group, 0, message)
+        await asyncio.to_thread(scale_replica, self.nomad, action.job_id, action.group, 0, message, model)
         state = action.state.model_copy(update={"last_error": error})
         await self._write_state(model.name, state, action.cas)
         log.error(

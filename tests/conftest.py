@@ -5,5 +5,6 @@ servers), nomad.py (the Nomad stand-in)."""
 pytest_plugins = [
     "tests.fixtures.consul",
     "tests.fixtures.engines",
+    "tests.fixtures.llama_cpp",
     "tests.fixtures.nomad",
 ]

@@ -306,7 +306,11 @@ def test_placement_is_part_of_the_definition_only_when_set() -> None:
     source = "file:///m.gguf"
     # A file written before placement existed keeps its hash across an upgrade (no re-register,
     # no unpark); a model moved to another pool is a new definition, registered again.
-    legacy = {k: v for k, v in unset.model_dump(mode="json").items() if k not in ("node_pool", "datacenters")}
+    legacy = {
+        k: v
+        for k, v in unset.model_dump(mode="json").items()
+        if k not in ("node_pool", "datacenters", "nodes")
+    }
     blob = json.dumps({"source": source, "profile": legacy}, sort_keys=True, separators=(",", ":"))
     assert definition_hash(source, unset) == hashlib.sha256(blob.encode()).hexdigest()[:16]
     assert len({definition_hash(source, p) for p in (unset, base, moved)}) == 3

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
 
+from devstack.nomad.consul_template import ServiceTemplateError, lookups, render_services
 from devstack.nomad.taskenv import TaskEnv
 
 Json = dict[str, Any]
@@ -133,8 +134,15 @@ def render_template(text: str, env: dict[str, str]) -> str:
     return _TEMPLATE_ACTION.sub(action, text)
 
 
-def render_templates(templates: list[Json], env: TaskEnv, task_dir: Path, alloc_root: Path) -> dict[str, str]:
-    """Render every template; returns the variables of `Envvars` templates."""
+def render_templates(
+    templates: list[Json],
+    env: TaskEnv,
+    task_dir: Path,
+    alloc_root: Path,
+    services: dict[str, list[tuple[str, int]]] | None = None,
+) -> dict[str, str]:
+    """Render every template; returns the variables of `Envvars` templates. `services`: the
+    answers to templates' Consul `service` lookups (devstack.nomad.consul_template)."""
     extra_env: dict[str, str] = {}
     for tmpl in templates:
         if tmpl.get("SourcePath"):
@@ -145,7 +153,13 @@ def render_templates(templates: list[Json], env: TaskEnv, task_dir: Path, alloc_
                 raise TemplateError(f"failed to read template {source}: {exc}") from exc
         else:
             text = str(tmpl.get("EmbeddedTmpl") or "")
-        rendered = render_template(text, env.env)
+        if lookups(text):
+            try:
+                rendered = render_services(text, services or {}, env.env)
+            except ServiceTemplateError as exc:
+                raise TemplateError(str(exc)) from exc
+        else:
+            rendered = render_template(text, env.env)
         dest_rel = env.replace(str(tmpl.get("DestPath") or ""))
         if not dest_rel:
             raise TemplateError("Must specify a destination for the template")

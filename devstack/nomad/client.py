@@ -20,10 +20,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from devstack.nomad import taskstate as ts
 from devstack.nomad.artifacts import ArtifactError, TemplateError, fetch_artifact, render_templates
 from devstack.nomad.clock import Clock
 from devstack.nomad.consul import Registration, ServiceRegistry, build_registration
+from devstack.nomad.consul_template import ServiceWatch
 from devstack.nomad.drivers import StartRequest, TaskHandle, sleep_unless, start_task
 from devstack.nomad.state import StateStore
 from devstack.nomad.taskenv import AllocPaths, TaskEnv, build_task_env, find_group, interpolate
@@ -71,6 +74,7 @@ class TaskRunner:
         self.registrations: list[Registration] = []
         self._setup_done = False
         self._artifacts_done = False
+        self._service_watch: ServiceWatch | None = None
 
     # ----- state ----------------------------------------------------------------------------
 
@@ -105,6 +109,8 @@ class TaskRunner:
             if self.handle is not None:
                 self.handle.force_kill()
         finally:
+            if self._service_watch is not None:
+                self._service_watch.stop()
             await self._deregister_services()
             if self.state.state != ts.DEAD:
                 self.update_state(ts.DEAD)
@@ -205,12 +211,33 @@ class TaskRunner:
         templates = self.task.get("Templates") or []
         if templates:
             try:
-                env.env.update(render_templates(templates, env, task_dir, paths.root))
+                services = await self._service_lookups(templates)
+                env.env.update(render_templates(templates, env, task_dir, paths.root, services))
             except (TemplateError, OSError) as exc:
                 event = ts.set_fails_task(self._event(ts.TASK_KILLING))
                 event["DisplayMessage"] = f"Template failed: {exc}"
                 raise _HookFailure(event, ts.StartError(str(exc)), fatal=True) from exc
         self.env = env
+
+    async def _service_lookups(self, templates: list[Json]) -> dict[str, list[tuple[str, int]]]:
+        """Answers for the templates' Consul `service` lookups, watched from here on so that a
+        change restarts the task (a multi-node replica's leader and its shards)."""
+        watch = self._service_watch = ServiceWatch(templates)
+        if not watch.queries:
+            return {}
+        registry = self.ar.client.registry
+        if not registry.enabled:
+            raise TemplateError("template looks up Consul services, but the stand-in runs without Consul")
+        try:
+            seen = await watch.first(registry._http())
+        except httpx.HTTPError as exc:
+            raise TemplateError(f"Consul service lookup failed: {exc}") from exc
+
+        async def restart() -> None:
+            await self.restart("template with change_mode restart re-rendered", failure=False)
+
+        watch.start(registry._http(), seen, lambda: self.handle is not None, restart)
+        return seen
 
     # ----- kill and restart (lifecycle.go) -----------------------------------------------------
 
@@ -229,14 +256,15 @@ class TaskRunner:
             await handle.kill(self.kill_timeout_ns, self.kill_signal)
         await self.done.wait()
 
-    async def restart(self, reason: str) -> None:
-        """A failure restart, as check_restart asks for: counts against the restart policy."""
+    async def restart(self, reason: str, failure: bool = True) -> None:
+        """A failure restart, as check_restart asks for: counts against the restart policy;
+        with `failure=False` (a template change) it does not."""
         handle = self.handle
         if handle is None or self.kill_requested.is_set():
             return
         self.emit(ts.set_restart(self._event(ts.TASK_RESTART_SIGNAL), None, reason))
         await self._deregister_services()
-        self.tracker.set_restart_triggered(failure=True)
+        self.tracker.set_restart_triggered(failure=failure)
         await handle.kill(self.kill_timeout_ns, self.kill_signal)
 
     # ----- services ----------------------------------------------------------------------------

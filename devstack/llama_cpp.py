@@ -1,0 +1,119 @@
+"""llama.cpp's own programs, built by `make setup`: `llama-server` (the `llama.cpp` engine) and
+`ggml-rpc-server` (a shard of a multi-node replica, holding layers for a leader's llama-server).
+
+`make setup` builds both once per machine from the llama.cpp source the llama-cpp-python sdist
+vendors and exports their paths as LLMGW_LLAMA_SERVER_BIN and LLMGW_RPC_SERVER_BIN; outside make
+the same cache path is assumed. Nodes find an engine as `<llmgw_engines_dir>/llama.cpp/<version>/
+llama-server`; `install_llama_cpp` links the built programs there.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+from devstack import lifetime
+from devstack.llama_engine import LlamaServer
+from devstack.ports import free_port
+
+ENGINE = "llama.cpp"
+# The version the dev fleets advertise (`llmgw_engine_llama_cpp` in devstack/nodes/*.yaml). What
+# is installed under it is the llama.cpp that llama-cpp-python 0.3.36 vendors.
+VERSION = "b6500"
+BUILD = "llama.cpp-0.3.36-x86-64-v3"
+PROGRAMS = {"llama-server": "LLMGW_LLAMA_SERVER_BIN", "ggml-rpc-server": "LLMGW_RPC_SERVER_BIN"}
+
+
+class LlamaCppMissing(RuntimeError):
+    """The programs were not built; the message says how to build them."""
+
+
+def program(name: str) -> Path:
+    """The built `llama-server` or `ggml-rpc-server`, from its variable or the cache."""
+    env = PROGRAMS[name]
+    cache = Path(os.environ.get("LLMGW_CACHE") or Path.home() / ".cache" / "llmgw")
+    path = Path(os.environ.get(env) or cache / BUILD / "build" / "bin" / name)
+    if not os.access(path, os.X_OK):
+        raise LlamaCppMissing(
+            f"{name} is not built at {path} ({env}); run 'make setup', which builds llama.cpp's "
+            "llama-server and ggml-rpc-server once per machine"
+        )
+    return path
+
+
+def install_llama_cpp(engines_dir: Path, version: str = VERSION) -> Path:
+    """`engines_dir/llama.cpp/<version>/{llama-server,ggml-rpc-server}` -> the built programs.
+    Links, not copies: the programs find their shared libraries beside the originals."""
+    target = engines_dir / ENGINE / version
+    target.mkdir(parents=True, exist_ok=True)
+    for name in PROGRAMS:
+        link = target / name
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to(program(name))
+    return target
+
+
+def _start(
+    cmd: list[str], name: str, port: int, log_dir: str | Path | None, die_with_parent: bool
+) -> tuple[subprocess.Popen[bytes], Path, Path]:
+    logs = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="llmgw-llama-cpp-"))
+    logs.mkdir(parents=True, exist_ok=True)
+    stdout_path = logs / f"{name}-{port}.stdout"
+    stderr_path = logs / f"{name}-{port}.stderr"
+    with stdout_path.open("wb") as out, stderr_path.open("wb") as err:
+        proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=err,
+            start_new_session=True,
+            preexec_fn=lifetime.die_with_parent if die_with_parent else None,
+        )
+    return proc, stdout_path, stderr_path
+
+
+def start_llama_cpp_server(
+    model_path: str | Path,
+    port: int | None = None,
+    host: str = "127.0.0.1",
+    n_ctx: int = 256,
+    rpc: Sequence[str] = (),
+    extra_args: Sequence[str] = (),
+    log_dir: str | Path | None = None,
+    die_with_parent: bool = False,
+) -> LlamaServer:
+    """llama.cpp's `llama-server` on one GGUF, with its layers on the `rpc` shards when given;
+    ready when `/health` answers 200. Returns at once."""
+    port = port or free_port(host)
+    cmd = [str(program("llama-server")), "--model", str(model_path), "--host", host, "--port", str(port)]
+    cmd += ["--ctx-size", str(n_ctx)]
+    if rpc:
+        cmd += ["--rpc", ",".join(rpc), "-ngl", "999"]
+    cmd += list(extra_args)
+    proc, out, err = _start(cmd, "llama-server", port, log_dir, die_with_parent)
+    return LlamaServer(
+        proc,
+        model_path=Path(model_path),
+        host=host,
+        port=port,
+        stdout_path=out,
+        stderr_path=err,
+        ready_path="/health",
+    )
+
+
+def start_rpc_server(
+    port: int | None = None,
+    host: str = "127.0.0.1",
+    log_dir: str | Path | None = None,
+    die_with_parent: bool = False,
+) -> tuple[subprocess.Popen[bytes], int, Path]:
+    """A `ggml-rpc-server` shard: (process, port, stdout path: where it logs)."""
+    port = port or free_port(host)
+    cmd = [str(program("ggml-rpc-server")), "--host", host, "--port", str(port)]
+    proc, out, _err = _start(cmd, "ggml-rpc-server", port, log_dir, die_with_parent)
+    return proc, port, out

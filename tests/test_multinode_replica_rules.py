@@ -1,0 +1,111 @@
+"""How the watcher treats a multi-node replica: one start per replica whichever shard failed,
+the job registered with its leader and all shards (or none) and pinned to a fabric with room,
+and scaled as a whole on the Nomad stand-in."""
+
+from __future__ import annotations
+
+import textwrap
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+
+from nomad_driver.multinode import pin_to_fabric, scale_replica, set_replica_count
+from nomad_driver.nomad import Nomad
+from nomad_driver.reconcile import ModelView, Park, reconcile
+from nomad_driver.render import SHARD_GROUP, render_job
+from nomad_driver.spec import parse_models
+from tests.test_fabric_choice import fleet
+from tests.test_reconcile import crashed, running
+
+MODELS = textwrap.dedent(
+    """
+    profiles:
+      split:
+        engine: llama.cpp
+        engine_version: b6500
+        gpus: 1
+        cpu_mhz: 200
+        memory_mib: 128
+        nodes: 3
+    models:
+      wide:
+        source: file:///nowhere/wide.gguf
+        profile: split
+        replicas: {min: 1, max: 1}
+    """
+)
+WIDE = parse_models(MODELS).models["wide"]
+
+
+def in_group(alloc: dict[str, Any], group: str) -> dict[str, Any]:
+    return {**alloc, "TaskGroup": group, "JobID": WIDE.job_id}
+
+
+def test_shard_failures_do_not_count_only_the_replicas_starts_do() -> None:
+    # Four replica starts failed; their shards failed too (ten times between them): four, not 14.
+    allocs = [in_group(crashed(f"l{i}", 10 * i + 10), "engine") for i in range(4)]
+    allocs += [in_group(crashed(f"s{i}", 10 * i + 12), SHARD_GROUP) for i in range(10)]
+    d = reconcile(ModelView(model=WIDE, job=render_job(WIDE), allocs=tuple(allocs), now=1e6))
+    assert d.state.consecutive_failures == 4
+    assert not any(isinstance(a, Park) for a in d.actions)
+    # The fifth replica start parks it.
+    allocs.append(in_group(crashed("l4", 155), "engine"))
+    d = reconcile(ModelView(model=WIDE, job=render_job(WIDE), allocs=tuple(allocs), now=1e6))
+    (park,) = [a for a in d.actions if isinstance(a, Park)]
+    assert park.failures == 5 and park.alloc_id == "l4"
+    # A live replica is one replica starting, not three.
+    live = (in_group(running("l", 1), "engine"), in_group(running("s1", 1), SHARD_GROUP))
+    assert reconcile(ModelView(model=WIDE, job=render_job(WIDE), allocs=live, now=1e6)).starting == 1
+
+
+def test_a_replica_runs_with_all_its_shards_or_not_at_all() -> None:
+    job = render_job(WIDE)
+    set_replica_count(job, 1)
+    assert [g["Count"] for g in job["TaskGroups"]] == [1, 2]
+    set_replica_count(job, 0)
+    assert [g["Count"] for g in job["TaskGroups"]] == [0, 0]
+
+
+def test_the_registered_job_is_pinned_to_a_fabric_with_room_not_counting_its_own_shards() -> None:
+    nodes, allocs = fleet({"ib-a": 3, "ib-b": 4}, busy={"ib-b": 2})
+    job = render_job(WIDE)
+    assert pin_to_fabric(job, WIDE, nodes, allocs) == "ib-a"
+    assert {"LTarget": "${meta.llmgw_fabric}", "RTarget": "ib-a", "Operand": "="} in job["Constraints"]
+    # Re-registered while its own replica holds ib-a: its own nodes are still its room.
+    own = [{**a, "JobID": WIDE.job_id, "NodeID": f"ib-a-{i}"} for i, a in enumerate(allocs[:2])]
+    assert pin_to_fabric(render_job(WIDE), WIDE, nodes, own) == "ib-a"
+    # No fabric with three free nodes: registered unpinned; Nomad's failed placement says so.
+    nodes, allocs = fleet({"ib-a": 3, "ib-b": 3}, busy={"ib-a": 1, "ib-b": 1})
+    job = render_job(WIDE)
+    assert pin_to_fabric(job, WIDE, nodes, allocs) is None
+    assert all(c.get("LTarget") != "${meta.llmgw_fabric}" for c in job["Constraints"])
+
+
+def test_scaling_a_replica_scales_its_shards_with_it(start_standin: Callable[..., Any]) -> None:
+    node = {
+        "datacenter": "dc1",
+        "cpu_mhz": 8000,
+        "memory_mib": 8192,
+        "attributes": {"driver.mock_driver": "1"},
+        "meta": {"llmgw_engine_llama_cpp": "b6500"},
+        "gpus": [{"model": "NVIDIA L4", "memory_mib": 24564, "count": 1}],
+    }
+    standin = start_standin(nodes=[{**node, "name": f"n{i}"} for i in range(3)], consul=False)
+    job = render_job(WIDE)
+    for group in job["TaskGroups"]:
+        group["Tasks"][0].update(Driver="mock_driver", Config={"run_for": "1h"})
+        group["Tasks"][0].pop("Artifacts", None)
+        group["Tasks"][0].pop("Templates", None)
+    nomad = Nomad(standin.url)
+    nomad.register_job(job)
+    scale_replica(nomad, WIDE.job_id, "engine", 0, "llmgw: parked wide", WIDE)
+    counts = {
+        g["Name"]: g["Count"] for g in httpx.get(f"{standin.url}/v1/job/{WIDE.job_id}").json()["TaskGroups"]
+    }
+    assert counts == {"engine": 0, SHARD_GROUP: 0}
+    scale_replica(nomad, WIDE.job_id, "engine", 1, "llmgw: wide should have 1 replicas", WIDE)
+    counts = {
+        g["Name"]: g["Count"] for g in httpx.get(f"{standin.url}/v1/job/{WIDE.job_id}").json()["TaskGroups"]
+    }
+    assert counts == {"engine": 1, SHARD_GROUP: 2}
