@@ -11,7 +11,7 @@ import pytest
 from nomad_driver import reference
 
 ROOT = Path(__file__).resolve().parent.parent
-DOC_FILES = sorted([*(ROOT / "docs").glob("*.md"), ROOT / "README.md", ROOT / "terraform" / "README.md"])
+DOC_FILES = sorted([*(ROOT / "docs").rglob("*.md"), ROOT / "README.md", ROOT / "terraform" / "README.md"])
 # Where a name the docs use may be defined: the product, the dev stack and benchmarks, and the
 # files that drive them.
 CODE_DIRS = ("nomad_driver", "router", "devstack", "bench", "tests", "jobs")
@@ -61,7 +61,10 @@ def other_tools_flags() -> set[str]:
     found: set[str] = set()
     for folder in ("devstack", "bench"):
         for path in (ROOT / folder).rglob("*.py"):
-            found |= set(re.findall(r"add_argument\(\s*\"(--[a-z0-9-]+)\"", path.read_text(encoding="utf-8")))
+            text = path.read_text(encoding="utf-8")
+            found |= set(re.findall(r"add_argument\(\s*\"(--[a-z0-9-]+)\"", text))
+            # Flags added in a loop over (flag, default, help) tuples (the stand-in's GC settings).
+            found |= set(re.findall(r"\(\s*\"(--[a-z0-9-]+)\",", text))
     for path in (ROOT / "nomad_driver").glob("*.py"):
         found |= set(re.findall(r"\"(--[a-z][a-z0-9_-]*)\"", path.read_text(encoding="utf-8")))
     return found

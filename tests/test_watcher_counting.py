@@ -361,7 +361,8 @@ async def test_a_model_may_not_take_the_name_or_the_job_of_something_else(
 
     named = tmp_path / "router.yaml"
     named.write_text(models_text(router=("file:///tmp/r.gguf", "cpu", 1)))
-    refused = runner.invoke(app, ["apply", str(named)])
+    # In a thread: apply plans first, and plan runs its own event loop.
+    refused = await asyncio.to_thread(runner.invoke, app, ["apply", str(named)])
     assert refused.exit_code == 2
     assert "model name 'router' is taken: its Nomad job would be llmgw-router" in refused.output
 
@@ -373,7 +374,7 @@ async def test_a_model_may_not_take_the_name_or_the_job_of_something_else(
     assert before is not None
     path = tmp_path / "models.yaml"
     path.write_text(text)
-    result = runner.invoke(app, ["apply", str(path)])
+    result = await asyncio.to_thread(runner.invoke, app, ["apply", str(path)])
     assert result.exit_code == 5, result.output
     assert "Nomad job llmgw-foo was not registered by llmgw for model foo" in result.output
     assert "nothing was applied" in result.output
