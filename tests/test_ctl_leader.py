@@ -4,7 +4,6 @@ on 0.0.0.0 as the shipped job does, a real Consul and the Nomad stand-in."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -15,10 +14,8 @@ import consul as pyconsul
 import pytest
 import requests
 
-from devstack.ports import free_port
 from nomad_driver.state import CONFIG_MODELS_KEY, ModelState, parse_state, state_key
-from tests.test_watcher_failover import leader_of, wait_for
-from tests.watcher_support import CRASH_AND_IDLE_MODELS
+from tests.watcher_support import CRASH_AND_IDLE_MODELS, leader_of, wait_for, watcher_processes
 
 ADMIN_TOKEN = "ctl-leader-test-token"
 
@@ -33,9 +30,8 @@ def wildcard_watchers(
     kv = pyconsul.Consul(host="127.0.0.1", port=int(consul_url.rsplit(":", 1)[1])).kv
     kv.put(CONFIG_MODELS_KEY, CRASH_AND_IDLE_MODELS)
     kv.put(state_key("idle"), ModelState(parked=True, consecutive_failures=5, last_error="boom").to_kv())
-    procs: list[tuple[subprocess.Popen[bytes], str]] = []
-    for i in range(2):
-        port = free_port()
+
+    def env_for(port: int) -> dict[str, str]:
         # What Nomad sets for a task's `admin` port: the host's address, not the 0.0.0.0 it binds.
         env = dict(
             os.environ,
@@ -47,25 +43,10 @@ def wildcard_watchers(
         # as the shipped job gives them from one Nomad Variable.
         env["LLMGW_ADMIN_TOKEN"] = ADMIN_TOKEN
         env.pop("LLMGW_ADMIN_ADVERTISE", None)
-        log = (tmp_path / f"watcher-{i}.log").open("wb")
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "nomad_driver.cli", "watcher", "--listen", f"0.0.0.0:{port}"],
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        procs.append((proc, f"http://127.0.0.1:{port}"))
-    try:
+        return env
+
+    with watcher_processes(env_for, "0.0.0.0", tmp_path) as procs:
         yield procs
-    finally:
-        for proc, _ in procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(15)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(5)
 
 
 def test_ctl_retry_sent_to_a_follower_is_done_by_the_leader_and_says_which(

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -17,33 +15,18 @@ import consul as pyconsul
 import pytest
 import requests
 
-from devstack.ports import free_port
 from nomad_driver.spec import parse_models
 from nomad_driver.state import CONFIG_MODELS_KEY, parse_state, state_key
-from tests.watcher_support import CRASH_AND_IDLE_MODELS, mock_job
+from tests.watcher_support import CRASH_AND_IDLE_MODELS, leader_of, mock_job, wait_for, watcher_processes
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 
 TTL_S = 10
 
 
-def wait_for(cond: Callable[[], Any], timeout: float, what: str) -> Any:
-    start = time.monotonic()
-    while time.monotonic() - start < timeout:
-        try:
-            result = cond()
-        except requests.RequestException:
-            result = None
-        if result:
-            return result
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-
-
 @pytest.fixture
 def watchers(consul_url: str, tmp_path: Path, start_standin: Callable[..., Any]) -> Iterator[list[Any]]:
     standin = start_standin(clock_speed=20.0)
-    procs: list[tuple[subprocess.Popen[bytes], str]] = []
     env = dict(os.environ, CONSUL_HTTP_ADDR=consul_url, NOMAD_ADDR=standin.url)
     env.pop("LLMGW_ADMIN_TOKEN", None)
     model = parse_models(CRASH_AND_IDLE_MODELS).models["crash"]
@@ -52,34 +35,8 @@ def watchers(consul_url: str, tmp_path: Path, start_standin: Callable[..., Any])
         CONFIG_MODELS_KEY, CRASH_AND_IDLE_MODELS
     )
     requests.post(f"{standin.url}/v1/job/{job['ID']}", json={"Job": job}, timeout=10).raise_for_status()
-    for i in range(2):
-        port = free_port()
-        log = (tmp_path / f"watcher-{i}.log").open("wb")
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "nomad_driver.cli", "watcher", "--listen", f"127.0.0.1:{port}"],
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        procs.append((proc, f"http://127.0.0.1:{port}"))
-    try:
+    with watcher_processes(lambda _port: env, "127.0.0.1", tmp_path) as procs:
         yield procs
-    finally:
-        for proc, _ in procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(15)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(5)
-
-
-def leader_of(procs: list[Any]) -> int | None:
-    for i, (proc, url) in enumerate(procs):
-        if proc.poll() is None and requests.get(f"{url}/healthz", timeout=2).json().get("leader"):
-            return i
-    return None
 
 
 def test_killing_the_leader_hands_over_without_losing_or_rewriting_state(

@@ -5,12 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
+import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import requests
+
+from devstack.ports import free_port
 from nomad_driver.consul import Consul
 from nomad_driver.nomad import Nomad
 from nomad_driver.render import render_job
@@ -156,3 +162,57 @@ async def watcher_on_standin(
     config = WatcherConfig(wait_s=10, lock_delay_s=0.5, tick_s=0.5)
     watcher = Watcher(Consul(consul_url), nomad, config, ident=ident)
     return standin, consul, nomad, watcher
+
+
+def wait_for(cond: Callable[[], Any], timeout: float, what: str) -> Any:
+    """The first truthy result of cond, polled every 0.1 s; a watcher not yet answering counts
+    as not yet."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        try:
+            result = cond()
+        except requests.RequestException:
+            result = None
+        if result:
+            return result
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def leader_of(procs: list[Any]) -> int | None:
+    """The index of the live watcher process whose /healthz says it leads, if any."""
+    for i, (proc, url) in enumerate(procs):
+        if proc.poll() is None and requests.get(f"{url}/healthz", timeout=2).json().get("leader"):
+            return i
+    return None
+
+
+@contextmanager
+def watcher_processes(
+    env_for: Callable[[int], dict[str, str]], listen_host: str, log_dir: Path, count: int = 2
+) -> Iterator[list[tuple[subprocess.Popen[bytes], str]]]:
+    """`count` real `llmgw watcher` processes on free ports, each listening on listen_host with
+    the environment env_for(port) and logging to log_dir/watcher-<i>.log: (process, URL) pairs,
+    stopped with SIGTERM (then SIGKILL) on exit."""
+    procs: list[tuple[subprocess.Popen[bytes], str]] = []
+    try:
+        for i in range(count):
+            port = free_port()
+            log = (log_dir / f"watcher-{i}.log").open("wb")
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "nomad_driver.cli", "watcher", "--listen", f"{listen_host}:{port}"],
+                env=env_for(port),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+            procs.append((proc, f"http://127.0.0.1:{port}"))
+        yield procs
+    finally:
+        for proc, _ in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(15)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(5)
