@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -72,6 +73,33 @@ def descends_from(pid: int, ancestor: int) -> bool:
         except (OSError, ValueError, IndexError):
             return False
     return False
+
+
+def mock_job(job_id: str, gpu: bool = True) -> dict[str, Any]:
+    """The body of a job registration: one mock_driver task that runs for an hour on 500 MHz and
+    1 GiB, with one GPU unless gpu is False."""
+    resources: dict[str, Any] = {"CPU": 500, "MemoryMB": 1024}
+    if gpu:
+        resources["Devices"] = [{"Name": "nvidia/gpu", "Count": 1}]
+    return {
+        "Job": {
+            "ID": job_id,
+            "TaskGroups": [
+                {
+                    "Name": "engine",
+                    "Count": 1,
+                    "Tasks": [
+                        {
+                            "Name": "server",
+                            "Driver": "mock_driver",
+                            "Config": {"run_for": "1h"},
+                            "Resources": resources,
+                        }
+                    ],
+                }
+            ],
+        }
+    }
 
 
 def start_standin(

@@ -29,7 +29,7 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench._support import start_standin  # noqa: E402
+from bench._support import mock_job, start_standin  # noqa: E402
 from nomad_driver.render import render_job  # noqa: E402
 from nomad_driver.spec import parse_models  # noqa: E402
 
@@ -74,32 +74,6 @@ def model_job(name: str, count: int) -> dict[str, Any]:
     return job
 
 
-def background(i: int) -> dict[str, Any]:
-    return {
-        "Job": {
-            "ID": f"bg-{i:04d}",
-            "TaskGroups": [
-                {
-                    "Name": "engine",
-                    "Count": 1,
-                    "Tasks": [
-                        {
-                            "Name": "server",
-                            "Driver": "mock_driver",
-                            "Config": {"run_for": "1h"},
-                            "Resources": {
-                                "CPU": 500,
-                                "MemoryMB": 1024,
-                                "Devices": [{"Name": "nvidia/gpu", "Count": 1}],
-                            },
-                        }
-                    ],
-                }
-            ],
-        }
-    }
-
-
 def decided(http: httpx.Client, eval_id: str) -> dict[str, Any]:
     """Block on the evaluation until it is no longer pending, as the watcher's watch does."""
     index = 0
@@ -141,7 +115,7 @@ def main() -> int:
         try:
             http = httpx.Client(base_url=url, timeout=30)
             for i in range(args.background):
-                http.post("/v1/jobs", json=background(i))
+                http.post("/v1/jobs", json=mock_job(f"bg-{i:04d}"))
             for name in ("fits", "nowhere"):
                 http.post("/v1/jobs", json={"Job": model_job(name, 0)})
             # Every round sees the same full fleet: no evaluation is left pending.

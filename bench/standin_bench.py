@@ -35,37 +35,12 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench._support import start_standin  # noqa: E402
+from bench._support import mock_job, rss_mb, start_standin  # noqa: E402
 
 FLEET = REPO / "devstack" / "nodes" / "large-200.yaml"
 TARGET_ALL_PLACED_S = 60.0
 TARGET_WAKE_MS = 50.0
 TARGET_RSS_MB = 500.0
-
-
-def job(i: int) -> dict[str, Any]:
-    resources: dict[str, Any] = {"CPU": 500, "MemoryMB": 1024}
-    if i % 4 != 3:
-        resources["Devices"] = [{"Name": "nvidia/gpu", "Count": 1}]
-    return {
-        "Job": {
-            "ID": f"bench-{i:04d}",
-            "TaskGroups": [
-                {
-                    "Name": "engine",
-                    "Count": 1,
-                    "Tasks": [
-                        {
-                            "Name": "server",
-                            "Driver": "mock_driver",
-                            "Config": {"run_for": "1h"},
-                            "Resources": resources,
-                        }
-                    ],
-                }
-            ],
-        }
-    }
 
 
 def settled(stubs: list[dict[str, Any]], jobs: int) -> tuple[int, int, int]:
@@ -124,13 +99,6 @@ def wake_latencies(url: str, changes: int) -> list[float]:
     return out
 
 
-def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--jobs", type=int, default=1000)
@@ -144,7 +112,7 @@ def main() -> int:
             http = httpx.Client(base_url=url, timeout=30)
             start = time.perf_counter()
             for i in range(args.jobs):
-                response = http.put("/v1/jobs", json=job(i))
+                response = http.put("/v1/jobs", json=mock_job(f"bench-{i:04d}", gpu=i % 4 != 3))
                 response.raise_for_status()
             registered_s = time.perf_counter() - start
             running, blocked = wait_settled(http, args.jobs, timeout=300)
