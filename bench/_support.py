@@ -102,6 +102,23 @@ def mock_job(job_id: str, gpu: bool = True) -> dict[str, Any]:
     }
 
 
+def register_stub_engine(consul_url: str, port: int) -> None:
+    """Register the stub engine on 127.0.0.1:port in Consul as model `bench`'s one replica,
+    passing at once and then health-checked on /v1/models, as the router expects an engine."""
+    httpx.put(
+        f"{consul_url}/v1/agent/service/register",
+        json={
+            "Name": "llmgw-engine",
+            "ID": "bench-1",
+            "Address": "127.0.0.1",
+            "Port": port,
+            "Tags": ["model=bench"],
+            "Meta": {"model": "bench", "def_hash": "b"},
+            "Check": {"HTTP": f"http://127.0.0.1:{port}/v1/models", "Interval": "5s", "Status": "passing"},
+        },
+    ).raise_for_status()
+
+
 def start_standin(
     data_dir: Path, fleet: Path = LARGE_FLEET, consul_url: str | None = None
 ) -> tuple[subprocess.Popen[bytes], str]:

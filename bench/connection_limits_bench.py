@@ -19,11 +19,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench._support import register_stub_engine  # noqa: E402
 from bench.router_bench import REQUEST, Procs, latency, pct, throughput, wait_http  # noqa: E402
 from devstack.consul_agent import ConsulAgent  # noqa: E402
 from devstack.ports import free_port  # noqa: E402
@@ -71,18 +70,7 @@ def run(args: argparse.Namespace, agent: ConsulAgent, procs: Procs) -> int:
     )
     stub = f"http://127.0.0.1:{stub_port}"
     wait_http(f"{stub}/v1/models")
-    httpx.put(
-        f"{agent.url}/v1/agent/service/register",
-        json={
-            "Name": "llmgw-engine",
-            "ID": "bench-1",
-            "Address": "127.0.0.1",
-            "Port": stub_port,
-            "Tags": ["model=bench"],
-            "Meta": {"model": "bench", "def_hash": "b"},
-            "Check": {"HTTP": f"{stub}/v1/models", "Interval": "5s", "Status": "passing"},
-        },
-    ).raise_for_status()
+    register_stub_engine(agent.url, stub_port)
     env = {"CONSUL_HTTP_ADDR": agent.url}
     targets: dict[str, str] = {}
     for name, command in (

@@ -43,6 +43,7 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench._support import register_stub_engine  # noqa: E402
 from devstack.consul_agent import ConsulAgent  # noqa: E402
 from devstack.ports import free_port  # noqa: E402
 
@@ -629,18 +630,7 @@ def run(args: argparse.Namespace, agent: ConsulAgent, procs: Procs, tmp: Path) -
         )
         targets[f"proxy {client}"] = f"http://127.0.0.1:{port}"
 
-    httpx.put(
-        f"{agent.url}/v1/agent/service/register",
-        json={
-            "Name": "llmgw-engine",
-            "ID": "bench-1",
-            "Address": "127.0.0.1",
-            "Port": stub_port,
-            "Tags": ["model=bench"],
-            "Meta": {"model": "bench", "def_hash": "b"},
-            "Check": {"HTTP": f"{stub}/v1/models", "Interval": "5s", "Status": "passing"},
-        },
-    ).raise_for_status()
+    register_stub_engine(agent.url, stub_port)
     httpx.put(f"{agent.url}/v1/kv/llmgw/config/models", content=MODELS).raise_for_status()
     httpx.put(
         f"{agent.url}/v1/kv/llmgw/state/parked", json={"parked": True, "last_error": "bench"}
