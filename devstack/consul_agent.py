@@ -7,8 +7,6 @@ the ports and throws the state away.
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 import tempfile
 import time
@@ -17,7 +15,7 @@ from types import TracebackType
 
 import httpx
 
-from devstack import lifetime
+from devstack import lifetime, processes
 from devstack.ports import free_ports
 
 DEFAULT_CACHED_BIN = Path.home() / ".cache" / "llmgw" / "consul" / "usr" / "bin" / "consul"
@@ -29,21 +27,8 @@ class ConsulAgentError(RuntimeError):
 
 def find_consul_binary() -> str:
     """`LLMGW_CONSUL_BIN`, else the binary `make setup` unpacks into the cache, else PATH."""
-    from_env = os.environ.get("LLMGW_CONSUL_BIN")
-    if from_env:
-        if not os.access(from_env, os.X_OK):
-            raise ConsulAgentError(
-                f"LLMGW_CONSUL_BIN={from_env} is not an executable file; run 'make setup' to fetch Consul"
-            )
-        return from_env
-    if os.access(DEFAULT_CACHED_BIN, os.X_OK):
-        return str(DEFAULT_CACHED_BIN)
-    on_path = shutil.which("consul")
-    if on_path:
-        return on_path
-    raise ConsulAgentError(
-        f"no consul binary: LLMGW_CONSUL_BIN is unset, {DEFAULT_CACHED_BIN} does not exist and "
-        "'consul' is not on PATH; run 'make setup' to fetch Consul 1.8.7 into the cache"
+    return processes.find_binary(
+        "LLMGW_CONSUL_BIN", DEFAULT_CACHED_BIN, "consul", ConsulAgentError, "Consul", "Consul 1.8.7"
     )
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -22,6 +23,25 @@ from typing import Any
 from devstack import lifetime
 
 STATE_FILE = "state.json"
+
+
+def find_binary(env_var: str, cached: Path, name: str, error: type[Exception], what: str, source: str) -> str:
+    """The program `name`: the path in env_var, else `cached` (where `make setup` unpacks it),
+    else PATH. Otherwise `error`, saying that 'make setup' fetches `what` (from `source`)."""
+    from_env = os.environ.get(env_var)
+    if from_env:
+        if not os.access(from_env, os.X_OK):
+            raise error(f"{env_var}={from_env} is not an executable file; run 'make setup' to fetch {what}")
+        return from_env
+    if os.access(cached, os.X_OK):
+        return str(cached)
+    on_path = shutil.which(name)
+    if on_path:
+        return on_path
+    raise error(
+        f"no {name} binary: {env_var} is unset, {cached} does not exist and "
+        f"'{name}' is not on PATH; run 'make setup' to fetch {source} into the cache"
+    )
 
 
 @dataclass

@@ -13,7 +13,6 @@ use) without Consul service discovery, and Consul is where an operator's Prometh
 from __future__ import annotations
 
 import datetime
-import os
 import re
 import shutil
 import subprocess
@@ -57,21 +56,13 @@ class PrometheusError(RuntimeError):
 
 def find_prometheus_binary() -> str:
     """`LLMGW_PROMETHEUS_BIN`, else the server `make setup` unpacks into the cache, else PATH."""
-    from_env = os.environ.get("LLMGW_PROMETHEUS_BIN")
-    if from_env:
-        if not os.access(from_env, os.X_OK):
-            raise PrometheusError(
-                f"LLMGW_PROMETHEUS_BIN={from_env} is not an executable file; run 'make setup' to fetch it"
-            )
-        return from_env
-    if os.access(DEFAULT_CACHED_BIN, os.X_OK):
-        return str(DEFAULT_CACHED_BIN)
-    on_path = shutil.which("prometheus")
-    if on_path:
-        return on_path
-    raise PrometheusError(
-        f"no prometheus binary: LLMGW_PROMETHEUS_BIN is unset, {DEFAULT_CACHED_BIN} does not exist and "
-        "'prometheus' is not on PATH; run 'make setup' to fetch Debian's prometheus package into the cache"
+    return processes.find_binary(
+        "LLMGW_PROMETHEUS_BIN",
+        DEFAULT_CACHED_BIN,
+        "prometheus",
+        PrometheusError,
+        "it",
+        "Debian's prometheus package",
     )
 
 
