@@ -24,7 +24,7 @@ from nomad_driver.watcher import Watcher
 from router.activation import NomadClient
 from router.config import NomadSettings
 from tests.fixtures.nomad import StandIn
-from tests.watcher_support import mock_job, models_text, read_state, until, watcher_on_standin
+from tests.watcher_support import mock_job, models_text, read_state, terminated, until, watchers_on_standin
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 
@@ -71,17 +71,6 @@ def deploying_job(job_id: str) -> dict[str, Any]:
     }
 
 
-def failures(nomad: Nomad, job_id: str) -> int:
-    allocs = nomad._json(nomad._request("job", job_id, "allocations", params={"all": "true"}), "allocs")
-    return sum(
-        1
-        for a in allocs
-        for state in (a.get("TaskStates") or {}).values()
-        for e in state.get("Events") or []
-        if e.get("Type") == "Terminated"
-    )
-
-
 class World:
     def __init__(self, standin: Any, consul: Consul, nomad: Nomad, watcher: Watcher) -> None:
         self.standin, self.consul, self.nomad, self.watcher = standin, consul, nomad, watcher
@@ -109,23 +98,12 @@ class World:
 async def world_factory(
     consul_url: str, start_standin: Callable[..., Any]
 ) -> AsyncIterator[Callable[..., Awaitable[World]]]:
-    made: list[World] = []
+    async with watchers_on_standin(consul_url, start_standin) as start:
 
-    async def make(text: str) -> World:
-        standin, consul, nomad, watcher = await watcher_on_standin(
-            consul_url, start_standin, text, ident="w1", clock_speed=SPEED
-        )
-        world = World(standin, consul, nomad, watcher)
-        made.append(world)
-        return world
+        async def make(text: str) -> World:
+            return World(*await start(text, ident="w1", clock_speed=SPEED))
 
-    try:
         yield make
-    finally:
-        for w in made:
-            await w.watcher.stop()
-            await w.watcher.consul.close()
-            await w.consul.close()
 
 
 async def test_a_crash_looping_model_is_parked_after_five_starts_while_other_jobs_deploy(
@@ -165,7 +143,7 @@ async def test_without_the_opt_out_nomad_refuses_to_park_a_crash_looping_model(
     world.nomad.register_job(job)
     running = world.deployment_running(model.job_id)
     assert running["TaskGroups"]["engine"]["ProgressDeadline"] == 10 * MINUTE
-    await until(lambda: failures(world.nomad, model.job_id) >= 2, 60, "the model failing")
+    await until(lambda: terminated(world.nomad, model.job_id) >= 2, 60, "the model failing")
     with pytest.raises(NomadError) as refused:
         world.nomad.scale(model.job_id, "engine", 0, "llmgw: park")
     assert refused.value.status == 400 and BLOCKED in str(refused.value)

@@ -23,8 +23,9 @@ from tests.watcher_support import (
     models_text,
     node,
     read_state,
+    terminated,
     until,
-    watcher_on_standin,
+    watchers_on_standin,
 )
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
@@ -39,17 +40,6 @@ def starts(nomad: Nomad, job_id: str) -> tuple[int, int]:
             started += sum(1 for e in state.get("Events") or [] if e.get("Type") == "Started")
             started += sum(1 for e in state.get("Events") or [] if e.get("Type") == "Driver Failure")
     return len(allocs), started
-
-
-def terminated(nomad: Nomad, job_id: str) -> int:
-    allocs = nomad._json(nomad._request("job", job_id, "allocations", params={"all": "true"}), "allocs")
-    return sum(
-        1
-        for a in allocs
-        for state in (a.get("TaskStates") or {}).values()
-        for e in state.get("Events") or []
-        if e.get("Type") == "Terminated"
-    )
 
 
 class World:
@@ -68,23 +58,15 @@ class World:
 async def world_factory(
     consul_url: str, start_standin: Callable[..., Any]
 ) -> AsyncIterator[Callable[..., Awaitable[World]]]:
-    made: list[World] = []
+    async with watchers_on_standin(consul_url, start_standin) as start:
 
-    async def make(text: str, nodes: Any = None, clock_speed: float = 20.0) -> World:
-        standin, consul, nomad, watcher = await watcher_on_standin(
-            consul_url, start_standin, text, ident="w1", clock_speed=clock_speed, nodes=nodes
-        )
-        world = World(consul, nomad, watcher, standin)
-        made.append(world)
-        return world
+        async def make(text: str, nodes: Any = None, clock_speed: float = 20.0) -> World:
+            standin, consul, nomad, watcher = await start(
+                text, ident="w1", clock_speed=clock_speed, nodes=nodes
+            )
+            return World(consul, nomad, watcher, standin)
 
-    try:
         yield make
-    finally:
-        for w in made:
-            await w.watcher.stop()
-            await w.watcher.consul.close()
-            await w.consul.close()
 
 
 async def test_a_model_that_exits_1_is_parked_after_exactly_five_start_failures(

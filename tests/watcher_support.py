@@ -9,8 +9,8 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -216,3 +216,37 @@ def watcher_processes(
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait(5)
+
+
+def terminated(nomad: Nomad, job_id: str) -> int:
+    """How many times a job's tasks have exited, over all its allocations, as Nomad reports it."""
+    allocs = nomad._json(nomad._request("job", job_id, "allocations", params={"all": "true"}), "allocs")
+    return sum(
+        1
+        for a in allocs
+        for state in (a.get("TaskStates") or {}).values()
+        for e in state.get("Events") or []
+        if e.get("Type") == "Terminated"
+    )
+
+
+@asynccontextmanager
+async def watchers_on_standin(
+    consul_url: str, start_standin: Callable[..., Any]
+) -> AsyncIterator[Callable[..., Awaitable[tuple[Any, Consul, Nomad, Watcher]]]]:
+    """watcher_on_standin as a factory (same arguments but the first two), every watcher it made
+    stopped and its Consul clients closed on exit."""
+    made: list[tuple[Consul, Watcher]] = []
+
+    async def make(text: str, **kwargs: Any) -> tuple[Any, Consul, Nomad, Watcher]:
+        standin, consul, nomad, watcher = await watcher_on_standin(consul_url, start_standin, text, **kwargs)
+        made.append((consul, watcher))
+        return standin, consul, nomad, watcher
+
+    try:
+        yield make
+    finally:
+        for consul, watcher in made:
+            await watcher.stop()
+            await watcher.consul.close()
+            await consul.close()
