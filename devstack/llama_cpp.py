@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import os
 import subprocess
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from devstack import lifetime
-from devstack.llama_engine import LlamaServer
+from devstack.llama_engine import LlamaServer, start_logged
 from devstack.ports import free_port
 
 ENGINE = "llama.cpp"
@@ -57,25 +55,6 @@ def install_llama_cpp(engines_dir: Path, version: str = VERSION) -> Path:
     return target
 
 
-def _start(
-    cmd: list[str], name: str, port: int, log_dir: str | Path | None, die_with_parent: bool
-) -> tuple[subprocess.Popen[bytes], Path, Path]:
-    logs = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="llmgw-llama-cpp-"))
-    logs.mkdir(parents=True, exist_ok=True)
-    stdout_path = logs / f"{name}-{port}.stdout"
-    stderr_path = logs / f"{name}-{port}.stderr"
-    with stdout_path.open("wb") as out, stderr_path.open("wb") as err:
-        proc = subprocess.Popen(
-            cmd,
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=err,
-            start_new_session=True,
-            preexec_fn=lifetime.die_with_parent if die_with_parent else None,
-        )
-    return proc, stdout_path, stderr_path
-
-
 def start_llama_cpp_server(
     model_path: str | Path,
     port: int | None = None,
@@ -94,7 +73,7 @@ def start_llama_cpp_server(
     if rpc:
         cmd += ["--rpc", ",".join(rpc), "-ngl", "999"]
     cmd += list(extra_args)
-    proc, out, err = _start(cmd, "llama-server", port, log_dir, die_with_parent)
+    proc, out, err = start_logged(cmd, "llama-server", port, log_dir, die_with_parent, "llmgw-llama-cpp-")
     return LlamaServer(
         proc,
         model_path=Path(model_path),
@@ -115,5 +94,5 @@ def start_rpc_server(
     """A `ggml-rpc-server` shard: (process, port, stdout path: where it logs)."""
     port = port or free_port(host)
     cmd = [str(program("ggml-rpc-server")), "--host", host, "--port", str(port)]
-    proc, out, _err = _start(cmd, "ggml-rpc-server", port, log_dir, die_with_parent)
+    proc, out, _err = start_logged(cmd, "ggml-rpc-server", port, log_dir, die_with_parent, "llmgw-llama-cpp-")
     return proc, port, out

@@ -142,6 +142,28 @@ def llama_server_command(
     ]
 
 
+def start_logged(
+    cmd: list[str], name: str, port: int, log_dir: str | Path | None, die_with_parent: bool, tmp_prefix: str
+) -> tuple[subprocess.Popen[bytes], Path, Path]:
+    """Start an engine process in a session of its own, output to `<log_dir>/<name>-<port>.stdout`
+    and `.stderr` (log_dir a fresh temporary folder named tmp_prefix... if not given):
+    (process, stdout path, stderr path). `die_with_parent` ties its life to this process."""
+    logs = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix=tmp_prefix))
+    logs.mkdir(parents=True, exist_ok=True)
+    stdout_path = logs / f"{name}-{port}.stdout"
+    stderr_path = logs / f"{name}-{port}.stderr"
+    with stdout_path.open("wb") as out, stderr_path.open("wb") as err:
+        proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=err,
+            start_new_session=True,
+            preexec_fn=lifetime.die_with_parent if die_with_parent else None,
+        )
+    return proc, stdout_path, stderr_path
+
+
 def start_llama_server(
     model_path: str | Path,
     port: int | None = None,
@@ -160,20 +182,10 @@ def start_llama_server(
     model = Path(model_path)
     if port is None:
         port = free_port(host)
-    logs = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="llmgw-llama-"))
-    logs.mkdir(parents=True, exist_ok=True)
-    stdout_path = logs / f"llama-{port}.stdout"
-    stderr_path = logs / f"llama-{port}.stderr"
     cmd = llama_server_command(model, host, port, n_ctx, extra_args)
-    with stdout_path.open("wb") as out, stderr_path.open("wb") as err:
-        proc = subprocess.Popen(
-            cmd,
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=err,
-            start_new_session=True,
-            preexec_fn=lifetime.die_with_parent if die_with_parent else None,
-        )
+    proc, stdout_path, stderr_path = start_logged(
+        cmd, "llama", port, log_dir, die_with_parent, "llmgw-llama-"
+    )
     return LlamaServer(
         proc, model_path=model, host=host, port=port, stdout_path=stdout_path, stderr_path=stderr_path
     )
