@@ -5,7 +5,6 @@ what a multi-node replica runs."""
 
 from __future__ import annotations
 
-import textwrap
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -14,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from tests.fixtures.llama_cpp import StartLlamaCpp, StartShard, llama_cpp_node
+from tests.fixtures.llama_cpp import StartLlamaCpp, StartShard, llama_cpp_models, llama_cpp_node
 from tests.watcher_support import read_state, until, watcher_on_standin
 
 ARCH_ERROR = "unknown model architecture: 'kev'"
@@ -64,28 +63,11 @@ def test_one_model_split_over_two_rpc_shards_answers_and_dies_with_a_shard(
     leader.wait_exit(timeout=60)
 
 
-MODELS = """
-profiles:
-  cpu:
-    engine: llama.cpp
-    engine_version: b6500
-    gpus: 0
-    cpu_mhz: 500
-    memory_mib: 512
-    context: 256
-models:
-  kev:
-    source: file://{kev}
-    profile: cpu
-    replicas: {{min: 1, max: 1}}
-"""
-
-
 @pytest.mark.slow
 async def test_the_watcher_parks_a_llama_cpp_model_with_the_engines_own_error(
     consul_url: str, start_standin: Callable[..., Any], llama_cpp_engines: Path, make_gguf: Any
 ) -> None:
-    text = textwrap.dedent(MODELS).format(kev=make_gguf("kev"))
+    text = llama_cpp_models("kev", make_gguf("kev"))
     _standin, consul, _nomad, watcher = await watcher_on_standin(
         consul_url,
         start_standin,

@@ -4,7 +4,6 @@ check, and answered through the router with the openai SDK."""
 
 from __future__ import annotations
 
-import textwrap
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,24 +15,8 @@ import yaml
 
 from nomad_driver.render import render_job
 from nomad_driver.spec import parse_models
-from tests.fixtures.llama_cpp import llama_cpp_node
+from tests.fixtures.llama_cpp import llama_cpp_models, llama_cpp_node
 from tests.router.conftest import StartRouter, put_kv
-
-MODELS = """
-profiles:
-  cpu:
-    engine: llama.cpp
-    engine_version: b6500
-    gpus: 0
-    cpu_mhz: 500
-    memory_mib: 512
-    context: 256
-models:
-  tiny:
-    source: file://{tiny}
-    profile: cpu
-    replicas: {{min: 1, max: 1}}
-"""
 
 
 @pytest.mark.slow
@@ -49,7 +32,7 @@ def test_a_llama_cpp_model_serves_through_the_router(
     nodes = tmp_path / "nodes.yaml"
     nodes.write_text(yaml.safe_dump({"nodes": [llama_cpp_node("cpu-0", llama_cpp_engines)]}))
     standin = start_standin(nodes=nodes)
-    text = textwrap.dedent(MODELS).format(tiny=make_gguf())
+    text = llama_cpp_models("tiny", make_gguf())
     (model,) = parse_models(text).models.values()
     job = render_job(model)
     assert job["TaskGroups"][0]["Services"][0]["Checks"][0]["Path"] == "/health"
