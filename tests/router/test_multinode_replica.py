@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import textwrap
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -21,25 +20,9 @@ from devstack.fleet import effective_nodes
 from nomad_driver.placement import choose_fabric, fabric_rooms
 from nomad_driver.render import SHARD_GROUP, render_replica_job
 from nomad_driver.spec import parse_models
+from tests.fixtures.llama_cpp import llama_cpp_models
 from tests.router.conftest import StartRouter, put_kv
 from tests.watcher_support import read_state, until, watcher_on_standin
-
-MODELS = """
-profiles:
-  split:
-    engine: llama.cpp
-    engine_version: b6500
-    gpus: 1
-    cpu_mhz: 500
-    memory_mib: 512
-    context: 256
-    nodes: 2
-models:
-  tiny-split:
-    source: file://{tiny}
-    profile: split
-    replicas: {{min: 1, max: 1}}
-"""
 
 FABRICS = Path(__file__).resolve().parents[2] / "devstack" / "nodes" / "fabrics.yaml"
 
@@ -85,7 +68,7 @@ def test_a_two_shard_replica_serves_from_one_fabric_and_comes_back_after_losing_
     # The dev fleet of several fabrics, with this test's llama.cpp installed on every node.
     nodes_file = effective_nodes(FABRICS, llama_cpp_engines, tmp_path / "nodes.yaml")
     standin = start_standin(nodes=nodes_file, clock_speed=5.0)
-    text = textwrap.dedent(MODELS).format(tiny=make_gguf())
+    text = llama_cpp_models("tiny-split", make_gguf(), nodes=2)
     (model,) = parse_models(text).models.values()
 
     nomad_nodes = [
@@ -136,24 +119,6 @@ def test_a_two_shard_replica_serves_from_one_fabric_and_comes_back_after_losing_
     assert pid not in rpc_server_pids()
 
 
-KEV_SPLIT = """
-profiles:
-  split:
-    engine: llama.cpp
-    engine_version: b6500
-    gpus: 1
-    cpu_mhz: 500
-    memory_mib: 512
-    context: 256
-    nodes: 2
-models:
-  kev-split:
-    source: file://{kev}
-    profile: split
-    replicas: {{min: 1, max: 1}}
-"""
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 async def test_a_broken_split_model_parks_after_five_replica_starts_with_llama_cpps_error(
@@ -164,7 +129,7 @@ async def test_a_broken_split_model_parks_after_five_replica_starts_with_llama_c
     make_gguf: Callable[..., Path],
 ) -> None:
     nodes_file = effective_nodes(FABRICS, llama_cpp_engines, tmp_path / "nodes.yaml")
-    text = textwrap.dedent(KEV_SPLIT).format(kev=make_gguf("kev"))
+    text = llama_cpp_models("kev-split", make_gguf("kev"), nodes=2)
     _standin, consul, nomad, watcher = await watcher_on_standin(
         consul_url, start_standin, text, ident="w1", clock_speed=20.0, nodes=str(nodes_file)
     )
