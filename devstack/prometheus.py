@@ -13,6 +13,7 @@ use) without Consul service discovery, and Consul is where an operator's Prometh
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import re
 import shutil
 import subprocess
@@ -114,16 +115,15 @@ def dev_config(config_text: str, *, consul_addr: str, rules_file: Path, interval
     return header + yaml.safe_dump(doc, sort_keys=False, width=100)
 
 
-def write_watched_certificate(path: Path, days: int = 90) -> Path:
-    """A self-signed certificate for llmgw's expiry metric to watch (`LLMGW_TLS_CERTS`).
-
-    The dev stack speaks plain HTTP, so without this no certificate series would exist and the
-    dashboard's certificate panels, and the test that runs every panel's query, would see none.
-    """
+def self_signed_certificate(
+    common_name: str, days: float, ip: str | None = None
+) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+    """A self-signed P-256 certificate and its key, valid from a few minutes ago (clock skew)
+    for `days`; with ip, valid for that address and usable as its own CA."""
     key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "llmgw devstack")])
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
     now = datetime.datetime.now(datetime.UTC)
-    cert = (
+    builder = (
         x509.CertificateBuilder()
         .subject_name(name)
         .issuer_name(name)
@@ -131,8 +131,21 @@ def write_watched_certificate(path: Path, days: int = 90) -> Path:
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - datetime.timedelta(minutes=5))
         .not_valid_after(now + datetime.timedelta(days=days))
-        .sign(key, hashes.SHA256())
     )
+    if ip is not None:
+        builder = builder.add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(ip))]), False
+        ).add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
+    return builder.sign(key, hashes.SHA256()), key
+
+
+def write_watched_certificate(path: Path, days: int = 90) -> Path:
+    """A self-signed certificate for llmgw's expiry metric to watch (`LLMGW_TLS_CERTS`).
+
+    The dev stack speaks plain HTTP, so without this no certificate series would exist and the
+    dashboard's certificate panels, and the test that runs every panel's query, would see none.
+    """
+    cert, _key = self_signed_certificate("llmgw devstack", days)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     return path

@@ -6,7 +6,6 @@ anything shows the model parked."""
 from __future__ import annotations
 
 import asyncio
-import datetime as dt
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -14,11 +13,9 @@ from typing import Any
 
 import httpx
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
+from cryptography.hazmat.primitives import serialization
 
+from devstack.prometheus import self_signed_certificate
 from nomad_driver import ctl
 from nomad_driver.admin import create_app, model_status
 from nomad_driver.consul import Consul
@@ -41,20 +38,7 @@ ARCH_ERROR = "unknown model architecture: 'kev'"
 
 
 def write_cert(path: Path, days: int) -> float:
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "llmgw-test")])
-    now = dt.datetime.now(dt.UTC)
-    not_after = now + dt.timedelta(days=days)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - dt.timedelta(minutes=1))
-        .not_valid_after(not_after)
-        .sign(key, hashes.SHA256())
-    )
+    cert, _key = self_signed_certificate("llmgw-test", days)
     path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     return cert.not_valid_after_utc.timestamp()
 

@@ -4,8 +4,6 @@ engine job (service `llmgw-engine`, tag and meta `model`, an HTTP check on `/v1/
 
 from __future__ import annotations
 
-import datetime as dt
-import ipaddress
 import json
 import subprocess
 import sys
@@ -19,13 +17,11 @@ from typing import Any
 import httpx
 import pytest
 import uvicorn
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
+from cryptography.hazmat.primitives import serialization
 
 from devstack import lifetime
 from devstack.ports import free_port
+from devstack.prometheus import self_signed_certificate
 from router.app import RouterApp
 from router.config import ConsulSettings, NomadSettings, RouterConfig
 from router.server import uvicorn_config
@@ -270,23 +266,7 @@ def get_kv(consul_url: str, key: str) -> str | None:
 def write_self_signed(directory: Path, days: int = 1) -> tuple[Path, Path, float]:
     """A self-signed certificate for 127.0.0.1 (usable as its own CA) and its key, written as
     router.crt and router.key: (certificate, key, expiry as a Unix time)."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
-    now = dt.datetime.now(dt.UTC)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - dt.timedelta(minutes=1))
-        .not_valid_after(now + dt.timedelta(days=days))
-        .add_extension(
-            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False
-        )
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
-        .sign(key, hashes.SHA256())
-    )
+    cert, key = self_signed_certificate("127.0.0.1", days, ip="127.0.0.1")
     cert_path, key_path = directory / "router.crt", directory / "router.key"
     cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     key_path.write_bytes(
