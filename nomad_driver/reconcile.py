@@ -137,18 +137,18 @@ def job_scaling_max(job: Mapping[str, Any] | None) -> int | None:
 
 
 def job_makes_deployments(job: Mapping[str, Any] | None) -> bool:
-    """The job's group has an update strategy that makes Nomad deploy it (max_parallel > 0), as
-    a model job rendered before llmgw opted out has: Nomad would refuse to scale it while a
-    deployment runs."""
+    """A group of the job has an update strategy that makes Nomad deploy it (max_parallel > 0),
+    as a model job rendered before llmgw opted out has (or a multi-node job's shard group did):
+    Nomad would refuse to scale it while a deployment runs."""
     groups = job.get("TaskGroups") if isinstance(job, Mapping) else None
-    if not isinstance(groups, list) or not groups or not isinstance(groups[0], Mapping):
+    if not isinstance(groups, list):
         return False
-    update = groups[0].get("Update")
-    return (
-        isinstance(update, Mapping)
-        and isinstance(update.get("MaxParallel"), int)
-        and update["MaxParallel"] > 0
-    )
+    for group in groups:
+        update = group.get("Update") if isinstance(group, Mapping) else None
+        max_parallel = update.get("MaxParallel") if isinstance(update, Mapping) else None
+        if isinstance(max_parallel, int) and max_parallel > 0:
+            return True
+    return False
 
 
 def job_is_current(job: Mapping[str, Any] | None, model: Model) -> bool:

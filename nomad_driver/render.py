@@ -571,6 +571,9 @@ def render_replica_job(
         ],
         "RestartPolicy": leader["RestartPolicy"],
         "ReschedulePolicy": leader["ReschedulePolicy"],
+        # Shards opt out of deployments like the leader: parking scales both groups, and a
+        # deployment on either would refuse it.
+        "Update": leader["Update"],
         "Tasks": [_ordered_task(shard_task)],
     }
     job["TaskGroups"] = [leader, shard_group]

@@ -232,3 +232,16 @@ def test_the_hcl_of_a_replica_says_what_its_json_says(name: str) -> None:
             }
             for t in task_body.get("template", [])
         ] == [{k: t[k] for k in ("EmbeddedTmpl", "DestPath", "Envvars", "ChangeMode")} for t in templates]
+
+
+@pytest.mark.parametrize("name", ["gemma-split", "llama-405b"])
+def test_every_group_of_a_replica_opts_out_of_deployments(name: str) -> None:
+    """Parking scales the leader and the shards; a deployment on either group would make Nomad
+    refuse the scale ("job scaling blocked due to active deployment")."""
+    from nomad_driver.reconcile import job_makes_deployments
+
+    job = render_job(SET.models[name])
+    assert [g["Update"] for g in job["TaskGroups"]] == [{"MaxParallel": 0}] * len(job["TaskGroups"])
+    assert not job_makes_deployments(job)
+    job["TaskGroups"][-1]["Update"] = {"MaxParallel": 1}  # as the shard group was rendered before
+    assert job_makes_deployments(job)
