@@ -16,7 +16,7 @@ from typing import Any, cast
 
 from aiohttp import web
 
-from devstack.nomad.canonical import canonicalize_job, spec_changed
+from devstack.nomad.canonical import spec_changed
 from devstack.nomad.encode import ZERO_TIME
 from devstack.nomad.httpbase import read_body, write_response
 from devstack.nomad.placement import forget_footprint
@@ -32,7 +32,6 @@ from devstack.nomad.reconcile import (
 )
 from devstack.nomad.server import ApiError, NomadServer
 from devstack.nomad.state import StateStore
-from devstack.nomad.validate import JobError, multierror_text, validate_job
 
 Json = dict[str, Any]
 
@@ -101,20 +100,8 @@ def plan(server: NomadServer, body: Any, path_id: str | None = None, query_ns: s
         raise ApiError(400, "Job must have a valid ID")
     if path_id and raw["ID"] != path_id:
         raise ApiError(400, "Job ID does not match")
-    if not raw.get("Namespace") and query_ns:
-        raw = {**raw, "Namespace": query_ns}
     now = server.clock.now_ns()
-    try:
-        job = canonicalize_job(raw, now)
-    except JobError as exc:
-        raise ApiError(exc.code, str(exc)) from None
-    server._namespace(job["Namespace"])
-    errors = validate_job(job)
-    if errors:
-        # Admission controllers run behind the RPC boundary: a plain error, so HTTP 500.
-        raise ApiError(500, multierror_text(errors))
-    # The same admission controllers as a register: the node pool must exist.
-    server._node_pool(job)
+    job = server.admit(raw, query_ns, now)
 
     store = server.store
     existing = store.jobs.get((job["Namespace"], job["ID"]))

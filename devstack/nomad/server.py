@@ -127,6 +127,24 @@ class NomadServer:
 
     # ----- jobs ----------------------------------------------------------------------------
 
+    def admit(self, raw: Json, query_ns: str | None, now: int) -> Json:
+        """What Nomad does to a submitted job before it registers or plans it: the namespace
+        defaulted from the query, canonicalisation, validation and the admission checks
+        (namespace and node pool exist)."""
+        if not raw.get("Namespace") and query_ns:
+            raw = {**raw, "Namespace": query_ns}
+        try:
+            job = canonicalize_job(raw, now)
+        except JobError as exc:
+            raise ApiError(exc.code, str(exc)) from None
+        self._namespace(job["Namespace"])
+        errors = validate_job(job)
+        if errors:
+            # Validation runs behind the RPC boundary with no status code, so Nomad answers 500.
+            raise ApiError(500, multierror_text(errors))
+        self._node_pool(job)
+        return job
+
     def _namespace(self, ns: str | None) -> str:
         ns = ns or NAMESPACE
         if ns != NAMESPACE:
@@ -153,19 +171,8 @@ class NomadServer:
             isinstance(g, dict) and g.get("Scaling") for g in raw.get("TaskGroups") or []
         ):
             raise ApiError(400, "Task groups with job type system do not support scaling blocks")
-        if not raw.get("Namespace") and query_ns:
-            raw = {**raw, "Namespace": query_ns}
         now = self.clock.now_ns()
-        try:
-            job = canonicalize_job(raw, now)
-        except JobError as exc:
-            raise ApiError(exc.code, str(exc)) from None
-        self._namespace(job["Namespace"])
-        errors = validate_job(job)
-        if errors:
-            # Validation runs behind the RPC boundary with no status code, so Nomad answers 500.
-            raise ApiError(500, multierror_text(errors))
-        self._node_pool(job)
+        job = self.admit(raw, query_ns, now)
         key = (job["Namespace"], job["ID"])
         existing = self.store.jobs.get(key)
         if body.get("EnforceIndex"):
