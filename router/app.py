@@ -452,6 +452,7 @@ class RouterApp:
                 client.send,
                 between_chunks_s=self.config.timeouts.between_chunks_s,
                 on_first_byte=first_byte,
+                on_done=client.mark_answered,
             )
         except StreamBroken as exc:
             resp.close()

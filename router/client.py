@@ -48,6 +48,9 @@ class ClientConnection:
         self.phase = WAITING
         self.started = False
         self.finished = False
+        # The client has every byte of its answer it will read (a stream's `data: [DONE]`):
+        # a hang-up from here on is a client that is done, not one that left early.
+        self.answered = False
         # Set by the listener when the client hung up, before it cancels the request's task.
         self.gone = False
         self._task: asyncio.Task[Any] | None = None
@@ -65,10 +68,14 @@ class ClientConnection:
             if message["type"] == "http.disconnect":
                 break
         # The server also reports a disconnect once the answer is complete; that one is no
-        # early end.
-        if not self.finished and self._task is not None:
+        # early end, and neither is the SDK closing at `data: [DONE]` before the replica ends
+        # its body (the relay then ends by itself).
+        if not self.finished and not self.answered and self._task is not None:
             self.gone = True
             self._task.cancel()
+
+    def mark_answered(self) -> None:
+        self.answered = True
 
     def close(self) -> None:
         if self._listener is not None:
@@ -86,6 +93,8 @@ class ClientConnection:
         except TimeoutError:
             raise ClientLeft(STOPPED_READING) from None
         except OSError:
+            if self.answered:
+                return
             # The server refuses writes to a connection it knows is closed.
             raise ClientLeft(self.phase) from None
 

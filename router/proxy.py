@@ -108,6 +108,10 @@ def response_headers(
     return headers
 
 
+# The last event of an OpenAI stream.
+DONE_EVENT = b"data: [DONE]"
+
+
 def event_end(data: bytes) -> int:
     """Where the last complete server-sent event in `data` ends (0: none yet). Events end with
     a blank line; sse-starlette, which llama-cpp-python uses, writes CRLF line ends."""
@@ -116,23 +120,37 @@ def event_end(data: bytes) -> int:
     return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
 
 
+def broken_stream(exc: BaseException, between_chunks_s: float) -> StreamBroken | None:
+    """What a stream cut short by `exc` is reported as (None: not a broken stream)."""
+    if isinstance(exc, aiohttp.SocketTimeoutError):
+        return StreamBroken("the replica sent nothing before the first-byte timeout")
+    if isinstance(exc, TimeoutError):
+        return StreamBroken(f"the replica sent nothing for {between_chunks_s:g}s mid-stream")
+    if isinstance(exc, (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)):
+        return StreamBroken(f"the replica's connection broke mid-stream ({type(exc).__name__})")
+    return None
+
+
 async def relay_body(
     resp: aiohttp.ClientResponse,
     send: Send,
     *,
     between_chunks_s: float,
     on_first_byte: Callable[[], None],
+    on_done: Callable[[], None] = lambda: None,
     max_event_bytes: int = MAX_EVENT_BYTES,
 ) -> None:
     """Pass a streamed body through chunk by chunk. Server-sent events are cut only at event
     boundaries, so that if the replica dies the client has whole events and then the error.
 
     A client that leaves meanwhile is noticed by the caller (see router/client.py), which
-    cancels this and closes `resp`."""
+    cancels this and closes `resp`. `on_done` is called once the stream's `data: [DONE]` event
+    has been passed on: the client has its whole answer."""
     sse = resp.content_type == "text/event-stream"
     content = resp.content
     pending = b""
     first = True
+    done = False
     try:
         while True:
             if first:
@@ -158,12 +176,18 @@ async def relay_body(
                 on_first_byte()
                 first = False
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
-    except TimeoutError as exc:
-        raise StreamBroken(f"the replica sent nothing for {between_chunks_s:g}s mid-stream") from exc
-    except aiohttp.SocketTimeoutError as exc:
-        raise StreamBroken("the replica sent nothing before the first-byte timeout") from exc
-    except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
-        raise StreamBroken(f"the replica's connection broke mid-stream ({type(exc).__name__})") from exc
+            if sse and chunk.rstrip().endswith(DONE_EVENT):
+                done = True
+                on_done()
+    except (TimeoutError, aiohttp.ClientError) as exc:
+        if not done:
+            broken = broken_stream(exc, between_chunks_s)
+            if broken is None:
+                raise
+            raise broken from exc
+        # The answer is whole; a replica slow or rough in ending its body has failed no one.
+        resp.close()
+        pending = b""
     if pending:
         await send({"type": "http.response.body", "body": pending, "more_body": True})
     if first:

@@ -150,12 +150,19 @@ StartStub = Callable[..., StubProcess]
 
 @pytest.fixture
 def stub_engine(tmp_path: Path) -> Iterator[StartStub]:
-    """`stub_engine(name, chunks=5, chunk_delay=0.0, delay=0.0, big_event=0) -> StubProcess`
+    """`stub_engine(name, chunks=5, chunk_delay=0.0, delay=0.0, big_event=0, done_linger=0.0)
+    -> StubProcess`
     (a real process)."""
     started: list[StubProcess] = []
 
     def start(
-        name: str, *, chunks: int = 5, chunk_delay: float = 0.0, delay: float = 0.0, big_event: int = 0
+        name: str,
+        *,
+        chunks: int = 5,
+        chunk_delay: float = 0.0,
+        delay: float = 0.0,
+        big_event: int = 0,
+        done_linger: float = 0.0,
     ) -> StubProcess:
         port = free_port()
         log = tmp_path / f"stub-{name}.log"
@@ -177,6 +184,8 @@ def stub_engine(tmp_path: Path) -> Iterator[StartStub]:
                     str(delay),
                     "--big-event",
                     str(big_event),
+                    "--done-linger",
+                    str(done_linger),
                 ],
                 cwd=ROOT,
                 stdout=out,

@@ -19,9 +19,16 @@ Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
 class StubEngine:
     def __init__(
-        self, name: str, chunks: int, chunk_delay: float, delay: float = 0.0, big_event: int = 0
+        self,
+        name: str,
+        chunks: int,
+        chunk_delay: float,
+        delay: float = 0.0,
+        big_event: int = 0,
+        done_linger: float = 0.0,
     ) -> None:
         self.name = name
+        self.done_linger = done_linger
         self.big_event = big_event
         self.delay = delay
         self.chunks = chunks
@@ -122,7 +129,13 @@ class StubEngine:
             # Even without a delay, let other streams have their turn: a send that does not
             # block never yields, and one endless stream would starve the rest.
             await asyncio.sleep(self.chunk_delay)
-        await send({"type": "http.response.body", "body": b"data: [DONE]\r\n\r\n", "more_body": False})
+        await send(
+            {"type": "http.response.body", "body": b"data: [DONE]\r\n\r\n", "more_body": bool(self.done_linger)}
+        )
+        if self.done_linger:
+            # The stream's end comes a while after its last event, as it may from a real server.
+            await asyncio.sleep(self.done_linger)
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 def main() -> None:
@@ -135,8 +148,9 @@ def main() -> None:
     parser.add_argument("--chunk-delay", type=float, default=0.0)
     parser.add_argument("--delay", type=float, default=0.0, help="seconds before a non-streamed answer")
     parser.add_argument("--big-event", type=int, default=0, help="bytes of one slow event first")
+    parser.add_argument("--done-linger", type=float, default=0.0, help="seconds from [DONE] to the end")
     args = parser.parse_args()
-    app = StubEngine(args.name, args.chunks, args.chunk_delay, args.delay, args.big_event)
+    app = StubEngine(args.name, args.chunks, args.chunk_delay, args.delay, args.big_event, args.done_linger)
     uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning", access_log=False, lifespan="off")
 
 

@@ -156,3 +156,22 @@ def test_a_replica_dying_mid_stream_raises_in_the_sdk_instead_of_hanging(
     assert received >= 3
     assert "failed mid-stream" in caught.value.message
     assert isinstance(caught.value.body, dict) and caught.value.body["code"] == "upstream_failed"
+
+
+def test_a_stream_the_sdk_closes_after_done_counts_as_answered(
+    consul_url: str, stub_engine: StartStub, start_router: StartRouter
+) -> None:
+    """The SDK stops reading at `data: [DONE]` and closes; an engine may end its body a moment
+    later. The client got its whole answer, so the request is a 200, not a client that left."""
+    stub = stub_engine("r1", chunks=3, done_linger=1.0)
+    register_replica(consul_url, "alpha", stub.port, "alpha-1")
+    router = start_router(consul_url)
+    router.wait_ready("alpha", 1)
+    sdk = client(router, timeout=30)
+    for _ in range(3):
+        chunks = list(
+            sdk.chat.completions.create(model="alpha", messages=[{"role": "user", "content": "go"}], stream=True)
+        )
+        assert len(chunks) == 3
+    router.expect_metric("llmgw_router_requests_total", 3, model="alpha", code="200")
+    assert router.metric("llmgw_router_early_ends_total", model="alpha", kind="stream") == 0
