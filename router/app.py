@@ -27,6 +27,7 @@ from router import errors
 from router import status as views
 from router.activation import Activator, NomadClient
 from router.activity import WAITING, ActivityRecorder
+from router.assemble import USAGE_COUNTED, AssemblyFailed, assemble, needs_stream, streamed_body
 from router.client import BODY, FIRST_BYTE, STOPPED_READING, STREAM, UPSTREAM, ClientConnection, ClientLeft
 from router.config import RouterConfig
 from router.discovery import Discovery, Replica, Snapshot
@@ -350,6 +351,10 @@ class RouterApp:
         arrived: float,
     ) -> int:
         balancer = self.balancer
+        definition = self.discovery.snapshot.models.get(model)
+        assembled = needs_stream(definition.profile.engine if definition else None, path, request)
+        if assembled:
+            body = streamed_body(request)
         tried: list[str] = []
         prefix: list[int] | None = None
         session: int | None = None
@@ -389,6 +394,8 @@ class RouterApp:
                         type_="server_error",
                     ) from exc
                 try:
+                    if assembled and resp.status == 200 and resp.content_type == "text/event-stream":
+                        return await self._assemble(resp, client, replica, arrived, path)
                     return await self._respond(resp, client, replica, arrived)
                 except BaseException:
                     # Closing, not releasing: the engine sees its connection go and stops
@@ -437,6 +444,40 @@ class RouterApp:
 
         await client.send({"type": "http.response.start", "status": resp.status, "headers": headers})
         return await self._relay(resp, client, replica, arrived)
+
+    async def _assemble(
+        self, resp: Any, client: ClientConnection, replica: Replica, arrived: float, path: str
+    ) -> int:
+        """A non-streamed answer read from the stream the router asked for (router/assemble.py):
+        a client that leaves meanwhile closes the stream, and the engine stops."""
+        client.phase = BODY
+        try:
+            status, payload, counted = await assemble(
+                resp,
+                chat=path == "/v1/chat/completions",
+                between_chunks_s=self.config.timeouts.between_chunks_s,
+            )
+        except (StreamBroken, AssemblyFailed) as exc:
+            self._replica_failed(replica, "stream", f"{replica.id}: {exc}")
+            if isinstance(exc, AssemblyFailed):
+                raise exc.error(replica.id, replica.model) from exc
+            raise RouterError(
+                502,
+                "upstream_failed",
+                f"replica {replica.id} of model '{replica.model}' failed while answering: {exc}; retry",
+                type_="server_error",
+            ) from exc
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(payload)).encode()),
+            (b"x-llmgw-replica", replica.id.encode()),
+        ]
+        if counted:
+            headers.append(USAGE_COUNTED)
+        await client.send({"type": "http.response.start", "status": status, "headers": headers})
+        self.metrics.observe_ttfb(replica.model, time.monotonic() - arrived)
+        await client.send({"type": "http.response.body", "body": payload, "more_body": False})
+        return status
 
     async def _relay(self, resp: Any, client: ClientConnection, replica: Replica, arrived: float) -> int:
         model = replica.model

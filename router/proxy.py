@@ -10,6 +10,7 @@ raises instead of waiting forever or parsing half an event.
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
@@ -51,6 +52,10 @@ class UpstreamTimeout(Exception):
 
 class StreamBroken(Exception):
     """The replica's answer stopped part way; carries what the client should be told."""
+
+
+class EventTooLarge(Exception):
+    """A server-sent event larger than the router holds whole."""
 
 
 class Upstream:
@@ -108,6 +113,7 @@ def response_headers(
     return headers
 
 
+EVENT_SEPARATOR = re.compile(rb"\r?\n\r?\n")
 # The last event of an OpenAI stream.
 DONE_EVENT = b"data: [DONE]"
 
@@ -129,6 +135,47 @@ def broken_stream(exc: BaseException, between_chunks_s: float) -> StreamBroken |
     if isinstance(exc, (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)):
         return StreamBroken(f"the replica's connection broke mid-stream ({type(exc).__name__})")
     return None
+
+
+async def read_events(
+    resp: aiohttp.ClientResponse,
+    on_event: Callable[[bytes], bool],
+    *,
+    between_chunks_s: float,
+    max_event_bytes: int = MAX_EVENT_BYTES,
+) -> bool:
+    """Read a server-sent event stream, passing each whole event to `on_event` until it returns
+    True (the stream's last event) or the body ends; returns whether `on_event` ended it.
+    Raises StreamBroken as `relay_body` does, and EventTooLarge for an event that never ends."""
+    content = resp.content
+    pending = b""
+    first = True
+    try:
+        while True:
+            if first:
+                chunk = await content.readany()
+                first = False
+            else:
+                async with asyncio.timeout(between_chunks_s):
+                    chunk = await content.readany()
+            if not chunk:
+                return False
+            data = pending + chunk if pending else chunk
+            cut = event_end(data)
+            if cut == 0:
+                if len(data) > max_event_bytes:
+                    raise EventTooLarge(f"an event grew past {max_event_bytes} bytes without ending")
+                pending = data
+                continue
+            pending = data[cut:]
+            for event in EVENT_SEPARATOR.split(data[:cut]):
+                if event and on_event(event):
+                    return True
+    except (TimeoutError, aiohttp.ClientError) as exc:
+        broken = broken_stream(exc, between_chunks_s)
+        if broken is None:
+            raise
+        raise broken from exc
 
 
 async def relay_body(

@@ -24,7 +24,14 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 MODEL = "tiny"
 # As the rendered jobs run it (render.py): the default interrupts streams under concurrency.
 ENGINE_ARGS = ["--interrupt_requests", "False"]
-LONG = 1900
+# Long enough that an engine left generating is busy for half a minute on a fast machine (its
+# cost grows with the context: about 2 s for 1900 tokens, 25 s for 6000).
+LONG = 6000
+# Random weights would stop at a random end-of-text token (id 2); a long answer must be long.
+# And only ASCII bytes (ids 3-130): llama-cpp-python streams nothing while the text so far is
+# not valid UTF-8, and a stream that sends nothing never notices its client left, so random
+# bytes would make every stream one event at the very end.
+LONG_ASCII_ANSWER = {str(token): -100 for token in (2, *range(3 + 0x80, 3 + 0x100))}
 
 
 def chat_body(max_tokens: int = LONG, stream: bool = True, prompt: str = "tell me a long story") -> bytes:
@@ -34,8 +41,7 @@ def chat_body(max_tokens: int = LONG, stream: bool = True, prompt: str = "tell m
             "messages": [{"role": "user", "content": prompt}],
             "max_tokens": max_tokens,
             "stream": stream,
-            # Random weights would stop at a random end-of-text token; a long answer must be long.
-            "logit_bias": {"2": -100},
+            "logit_bias": LONG_ASCII_ANSWER,
             "temperature": 1.0,
         }
     ).encode()
@@ -109,8 +115,8 @@ class Engine:
 def engine(
     consul_url: str, make_gguf: MakeGguf, llama_server: StartLlamaServer, start_router: StartRouter
 ) -> Callable[..., Engine]:
-    def start(**router_overrides: Any) -> Engine:
-        server = llama_server(make_gguf(), n_ctx=2048, extra_args=ENGINE_ARGS)
+    def start(n_ctx: int = 8192, **router_overrides: Any) -> Engine:
+        server = llama_server(make_gguf(), n_ctx=n_ctx, extra_args=ENGINE_ARGS)
         register_replica(consul_url, MODEL, server.port, f"{MODEL}-engine")
         router = start_router(consul_url, **router_overrides)
         router.wait_ready(MODEL, 1, timeout=30)
@@ -140,11 +146,12 @@ def test_five_streams_closed_right_after_sending_leave_the_engine_answering(
     e.settles(15, "five streams closed before their first byte")
 
 
-def test_a_non_streamed_request_closed_before_its_answer_is_cancelled(engine: Callable[..., Engine]) -> None:
-    """The router's side only: it closes the replica's connection at once. llama-cpp-python
-    itself finishes a non-streamed completion whoever listens (it runs in a worker thread that
-    never looks at the connection; measured in docs/router.md), so the engine's view cannot
-    show the cancel here."""
+def test_a_non_streamed_request_closed_before_its_answer_stops_the_engine(
+    engine: Callable[..., Engine],
+) -> None:
+    """llama-cpp-python finishes a non-streamed completion whoever listens (it runs in a worker
+    thread that never looks at the connection), so the router asks it for a stream and
+    assembles the answer: closing that stream is what stops the engine."""
     e = engine()
     sock = raw_request(e.router.url, chat_body(stream=False))
     time.sleep(0.5)
@@ -152,3 +159,6 @@ def test_a_non_streamed_request_closed_before_its_answer_is_cancelled(engine: Ca
     wait_until(lambda: e.early_ends("upstream") + e.early_ends("body") == 1, 10, "the early end counted")
     assert e.router.app.balancer.outstanding == {}
     e.router.expect_metric("llmgw_router_requests_total", 1, model=MODEL, code="499")
+    # Left generating, the engine would spend the rest of its half minute before it answered
+    # anyone else.
+    e.settles(8, "a non-streamed request closed before its answer")
