@@ -6,8 +6,6 @@ looks at the connection: a client that hangs up after a second still costs the e
 answer, and every request behind it waits. Its streams, though, stop at the next token once the
 connection closes. So for such engines the router asks for a stream and hands the client the
 JSON answer the engine would have sent; closing the stream is then what stops the engine.
-llama-server and vLLM stop non-streamed work on a closed connection themselves, and keep their
-answers untouched.
 """
 
 from __future__ import annotations
@@ -20,12 +18,12 @@ import aiohttp
 from router.errors import RouterError
 from router.proxy import EventTooLarge, StreamBroken, read_events
 
-# Engines that cancel a non-streamed completion when its connection closes: llama-server polls
-# the connection while it waits for the result (tools/server/server-context.cpp, checked with
-# the real binary in tests/router/test_client_gone.py); vLLM's OpenAI server cancels the
-# handler on disconnect. Any other engine, or a replica without a definition, is asked for a
-# stream.
-STOPS_ON_HANGUP = frozenset({"llama.cpp", "vllm"})
+# Engines that finish a non-streamed completion whoever listens. llama-server polls the
+# connection while it waits for the result (tools/server/server-context.cpp, checked with the
+# real binary in tests/router/test_assembled_answers.py) and vLLM's OpenAI server cancels the
+# handler on disconnect, so their answers pass through untouched, as do those of replicas
+# without a definition: what their engine does is not known.
+ASSEMBLED_ENGINES = frozenset({"llama-cpp-python"})
 ASSEMBLED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 # Said on an assembled answer whose usage the router counted itself, because the engine's
 # stream carried none (llama-cpp-python ignores `stream_options`): the completion tokens are
@@ -35,7 +33,7 @@ USAGE_COUNTED = (b"x-llmgw-usage", b"counted")
 
 def needs_stream(engine: str | None, path: str, request: dict[str, Any]) -> bool:
     """Whether a request goes upstream as a stream to be assembled for its client."""
-    return path in ASSEMBLED_PATHS and request.get("stream") is not True and engine not in STOPS_ON_HANGUP
+    return engine in ASSEMBLED_ENGINES and path in ASSEMBLED_PATHS and request.get("stream") is not True
 
 
 def streamed_body(request: dict[str, Any]) -> bytes:

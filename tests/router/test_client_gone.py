@@ -34,6 +34,18 @@ LONG = 6000
 LONG_ASCII_ANSWER = {str(token): -100 for token in (2, *range(3 + 0x80, 3 + 0x100))}
 
 
+def defined_as_llama_cpp_python(directory: Path, gguf: Path) -> str:
+    """A models file defining MODEL on the llama-cpp-python engine, so that the router knows
+    which engine it talks to (router/assemble.py); returns its path."""
+    path = directory / "models.yaml"
+    path.write_text(
+        "profiles:\n  cpu:\n    engine: llama-cpp-python\n    engine_version: '0.3.36'\n"
+        "    gpus: 0\n    memory_mib: 512\n    context: 8192\n"
+        f"models:\n  {MODEL}:\n    source: file://{gguf}\n    profile: cpu\n"
+    )
+    return str(path)
+
+
 def chat_body(max_tokens: int = LONG, stream: bool = True, prompt: str = "tell me a long story") -> bytes:
     return json.dumps(
         {
@@ -113,12 +125,18 @@ class Engine:
 
 @pytest.fixture
 def engine(
-    consul_url: str, make_gguf: MakeGguf, llama_server: StartLlamaServer, start_router: StartRouter
+    consul_url: str,
+    make_gguf: MakeGguf,
+    llama_server: StartLlamaServer,
+    start_router: StartRouter,
+    tmp_path: Path,
 ) -> Callable[..., Engine]:
     def start(n_ctx: int = 8192, **router_overrides: Any) -> Engine:
-        server = llama_server(make_gguf(), n_ctx=n_ctx, extra_args=ENGINE_ARGS)
+        gguf = make_gguf()
+        server = llama_server(gguf, n_ctx=n_ctx, extra_args=ENGINE_ARGS)
         register_replica(consul_url, MODEL, server.port, f"{MODEL}-engine")
-        router = start_router(consul_url, **router_overrides)
+        models = defined_as_llama_cpp_python(tmp_path, gguf)
+        router = start_router(consul_url, models_file=models, **router_overrides)
         router.wait_ready(MODEL, 1, timeout=30)
         return Engine(server, router)
 
