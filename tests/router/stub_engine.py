@@ -130,7 +130,11 @@ class StubEngine:
             # block never yields, and one endless stream would starve the rest.
             await asyncio.sleep(self.chunk_delay)
         await send(
-            {"type": "http.response.body", "body": b"data: [DONE]\r\n\r\n", "more_body": bool(self.done_linger)}
+            {
+                "type": "http.response.body",
+                "body": b"data: [DONE]\r\n\r\n",
+                "more_body": bool(self.done_linger),
+            }
         )
         if self.done_linger:
             # The stream's end comes a while after its last event, as it may from a real server.

@@ -170,7 +170,9 @@ def test_a_stream_the_sdk_closes_after_done_counts_as_answered(
     sdk = client(router, timeout=30)
     for _ in range(3):
         chunks = list(
-            sdk.chat.completions.create(model="alpha", messages=[{"role": "user", "content": "go"}], stream=True)
+            sdk.chat.completions.create(
+                model="alpha", messages=[{"role": "user", "content": "go"}], stream=True
+            )
         )
         assert len(chunks) == 3
     router.expect_metric("llmgw_router_requests_total", 3, model="alpha", code="200")
