@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import ssl
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 DEFAULT_LISTEN = "127.0.0.1:8080"
@@ -46,7 +46,9 @@ class Timeouts:
     # a connection and a task for as long as the client likes otherwise.
     body_read_s: float = 30.0
     # One write to a client: a client that stops reading for this long is dropped and its
-    # replica's request cancelled, so it cannot hold an engine slot by not reading.
+    # replica's request cancelled, so it cannot hold an engine slot by not reading. nginx's
+    # send_timeout is 60 s; a one-slot engine (llama-cpp-python) is held this long by each
+    # stalled client, so its operators may want less. Env LLMGW_ROUTER_CLIENT_SEND_S.
     client_send_s: float = 30.0
 
 
@@ -208,6 +210,9 @@ def from_env(env: Mapping[str, str] | None = None, **overrides: object) -> Route
     }
     if env.get("LLMGW_ROUTER_MAX_WAITING"):
         values["max_waiting"] = _positive_int("LLMGW_ROUTER_MAX_WAITING", env["LLMGW_ROUTER_MAX_WAITING"])
+    if env.get("LLMGW_ROUTER_CLIENT_SEND_S"):
+        send_s = _positive_seconds("LLMGW_ROUTER_CLIENT_SEND_S", env["LLMGW_ROUTER_CLIENT_SEND_S"])
+        values["timeouts"] = replace(Timeouts(), client_send_s=send_s)
     values.update(overrides)
     return RouterConfig(**values)  # type: ignore[arg-type]
 
@@ -220,6 +225,16 @@ def _positive_int(name: str, value: str) -> int:
     if number <= 0:
         raise ConfigError(f"{name}={value!r}: expected a positive whole number")
     return number
+
+
+def _positive_seconds(name: str, value: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise ConfigError(f"{name}={value!r}: expected a positive number of seconds") from None
+    if not 0 < seconds < float("inf"):
+        raise ConfigError(f"{name}={value!r}: expected a positive number of seconds")
+    return seconds
 
 
 def _ssl_context(addr: str, cacert: str, cert: str, key: str) -> ssl.SSLContext | None:

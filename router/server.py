@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import resource
+import socket
 import time
 from collections import Counter
 from dataclasses import replace
@@ -114,6 +115,20 @@ class ConnectionGuard:
         newcomer.refuse(503, "too_many_connections", "the router is at its connection limit; retry shortly")
 
 
+# Left to the kernel, a connection's send buffer grows to 4 MiB (tcp_wmem), more than a whole
+# streamed completion: a client that never reads then never blocks a write, the write deadline
+# never fires, and its engine slot generates to the end for nobody. Fixed at this size (the
+# kernel doubles it), a client that stops reading blocks the next write within a few hundred
+# KiB, which the deadline then ends; tokens are a few KiB a second, so readers never notice.
+CLIENT_SEND_BUFFER_BYTES = 64 * 1024
+
+
+def bound_send_buffer(transport: asyncio.BaseTransport) -> None:
+    sock = transport.get_extra_info("socket")
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, CLIENT_SEND_BUFFER_BYTES)
+
+
 class GuardedProtocol(HttpToolsProtocol):
     """httptools' protocol with the head bounded in bytes, headers and time (see the module)."""
 
@@ -121,6 +136,7 @@ class GuardedProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        bound_send_buffer(transport)
         self._head_bytes = 0
         self._tail = b""
         self._header_count = 0

@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
+from router.config import Timeouts
 from tests.fixtures.engines import MakeGguf, StartLlamaServer
 from tests.router.conftest import RunningRouter, StartRouter, register_replica, wait_until
 
@@ -180,3 +181,37 @@ def test_a_non_streamed_request_closed_before_its_answer_stops_the_engine(
     # Left generating, the engine would spend the rest of its half minute before it answered
     # anyone else.
     e.settles(8, "a non-streamed request closed before its answer")
+
+
+def never_reading_stream(router_url: str) -> socket.socket:
+    """A streamed chat on a socket that is never read, with a receive window as small as a
+    stalled client's."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", int(router_url.rsplit(":", 1)[1])))
+    body = chat_body()
+    sock.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    return sock
+
+
+def test_twenty_streams_that_never_read_leave_the_engine_answering(engine: Callable[..., Engine]) -> None:
+    """Each answer (about 1 MiB of events) fits in the 4 MiB send buffer the kernel would grow
+    for the router's client socket: before the router bounded that buffer no write ever
+    blocked, so the deadline never fired and the one-slot engine generated all twenty answers
+    to the end, 25 s each, for nobody (over eight minutes here). Bounded, each stalled client
+    holds the engine for the write deadline plus the time to fill its small buffer."""
+    e = engine(timeouts=Timeouts(client_send_s=2.0))
+    socks = [never_reading_stream(e.router.url) for _ in range(20)]
+    try:
+        e.router.expect_metric(
+            "llmgw_router_early_ends_total", 20, timeout=150, model=MODEL, kind="stopped_reading"
+        )
+        e.settles(15, "twenty streams that never read")
+        assert e.router.app.balancer.outstanding == {}
+    finally:
+        for sock in socks:
+            sock.close()

@@ -247,3 +247,14 @@ def test_the_wait_bound_comes_from_the_environment_and_bad_values_are_refused() 
     for bad in ("0", "-3", "many"):
         with pytest.raises(ConfigError, match="LLMGW_ROUTER_MAX_WAITING="):
             from_env({"LLMGW_ROUTER_MAX_WAITING": bad})
+
+
+def test_the_write_deadline_comes_from_the_environment_and_bad_values_are_refused() -> None:
+    assert from_env({}).timeouts.client_send_s == 30.0
+    config = from_env({"LLMGW_ROUTER_CLIENT_SEND_S": "2.5"})
+    assert config.timeouts.client_send_s == 2.5
+    # The other timeouts keep their defaults.
+    assert config.timeouts.first_byte_s == Timeouts().first_byte_s
+    for bad in ("0", "-1", "soon", "inf", "nan"):
+        with pytest.raises(ConfigError, match="LLMGW_ROUTER_CLIENT_SEND_S="):
+            from_env({"LLMGW_ROUTER_CLIENT_SEND_S": bad})
