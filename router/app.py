@@ -73,7 +73,9 @@ class RouterApp:
         # The serving certificate beside the Nomad and Consul ones: an expired one fails every
         # client's handshake, so it is watched like the others (read from disk at each scrape).
         register_cert_collector(self.metrics.registry, extra=[config.tls_cert] if config.tls_cert else [])
-        self.balancer = Balancer(slack=config.affinity_slack, balance_factor=config.balance_factor)
+        self.balancer = Balancer(
+            slack=config.affinity_slack, balance_factor=config.balance_factor, policy=config.policy
+        )
         self.discovery = Discovery(
             config.consul, models_file=config.models_file, on_change=self._snapshot_changed
         )

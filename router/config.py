@@ -20,6 +20,9 @@ DEFAULT_NOMAD = "http://127.0.0.1:4646"
 ENGINE_SERVICE = "llmgw-engine"
 
 
+POLICIES = ("affinity", "least-outstanding", "round-robin")
+
+
 class ConfigError(ValueError):
     """A setting that cannot work; the message names the flag or variable."""
 
@@ -116,6 +119,11 @@ class RouterConfig:
     # has, and then only within `balance_factor` of the average, before load wins.
     affinity_slack: int = 2
     balance_factor: float = 1.5
+    # `affinity` (the above), `least-outstanding` (load only) or `round-robin` (neither): the
+    # last two exist so that affinity's gain can be measured against them on real engines
+    # (bench/affinity_bench.py), and as a way out should affinity misjudge a workload.
+    # Env LLMGW_ROUTER_POLICY.
+    policy: str = "affinity"
     # A replica that refused a connection or died mid-stream gets no new requests for this
     # long, bridging the second or two until its Consul check turns critical.
     eject_s: float = 5.0
@@ -210,10 +218,14 @@ def from_env(env: Mapping[str, str] | None = None, **overrides: object) -> Route
     }
     if env.get("LLMGW_ROUTER_MAX_WAITING"):
         values["max_waiting"] = _positive_int("LLMGW_ROUTER_MAX_WAITING", env["LLMGW_ROUTER_MAX_WAITING"])
+    if env.get("LLMGW_ROUTER_POLICY"):
+        values["policy"] = env["LLMGW_ROUTER_POLICY"]
     if env.get("LLMGW_ROUTER_CLIENT_SEND_S"):
         send_s = _positive_seconds("LLMGW_ROUTER_CLIENT_SEND_S", env["LLMGW_ROUTER_CLIENT_SEND_S"])
         values["timeouts"] = replace(Timeouts(), client_send_s=send_s)
     values.update(overrides)
+    if values.get("policy", "affinity") not in POLICIES:
+        raise ConfigError(f"LLMGW_ROUTER_POLICY={values['policy']!r}: expected one of {', '.join(POLICIES)}")
     return RouterConfig(**values)  # type: ignore[arg-type]
 
 

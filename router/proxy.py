@@ -62,6 +62,9 @@ class Upstream:
     def __init__(self, timeouts: Timeouts) -> None:
         self.timeouts = timeouts
         self._session: aiohttp.ClientSession | None = None
+        # For the one retry after a kept-alive connection turned out closed: a new connection,
+        # since the pool may hold more that the engine closed at the same moment.
+        self._fresh: aiohttp.ClientSession | None = None
         self._request_timeout = aiohttp.ClientTimeout(
             total=None,
             connect=None,
@@ -85,16 +88,35 @@ class Upstream:
             auto_decompress=False,
             skip_auto_headers=("User-Agent",),
         )
+        self._fresh = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, force_close=True),
+            timeout=self._request_timeout,
+            auto_decompress=False,
+            skip_auto_headers=("User-Agent",),
+        )
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        for session in (self._session, self._fresh):
+            if session is not None:
+                await session.close()
+        self._session = self._fresh = None
 
     async def open(self, url: URL, body: bytes) -> aiohttp.ClientResponse:
         assert self._session is not None, "upstream session not started"
         try:
-            return await self._session.post(url, data=body, headers=UPSTREAM_HEADERS)
+            try:
+                return await self._session.post(url, data=body, headers=UPSTREAM_HEADERS)
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+                if isinstance(exc, aiohttp.ClientConnectorError):
+                    raise
+                # A kept-alive connection the engine closed while it sat in the pool (llama-server
+                # drops idle ones after its 5 s keep-alive and when its HTTP threads are all
+                # taken) disconnects, or refuses the body, before any answer: that says nothing
+                # about the replica, so it is tried once more on a new connection before the
+                # replica is counted as failed and ejected. A refused connect is the replica's
+                # own answer and is not retried here.
+                assert self._fresh is not None
+                return await self._fresh.post(url, data=body, headers=UPSTREAM_HEADERS)
         except aiohttp.ConnectionTimeoutError as exc:
             raise ConnectFailed(f"connect timed out after {self.timeouts.connect_s:g}s") from exc
         except aiohttp.SocketTimeoutError as exc:

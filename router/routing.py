@@ -149,7 +149,9 @@ class Balancer:
         slack: int = 2,
         balance_factor: float = 1.5,
         table_capacity: int = TABLE_CAPACITY,
+        policy: str = "affinity",
     ) -> None:
+        self.policy = policy
         self.slack = slack
         self.balance_factor = balance_factor
         self.table_capacity = table_capacity
@@ -188,8 +190,13 @@ class Balancer:
                 candidates = healthy
             self._expire(now)
 
+        if self.policy == "round-robin":
+            self._turn += 1
+            return candidates[self._turn % len(candidates)]
         outstanding = self.outstanding
         loads = [outstanding.get(r, 0) for r in candidates]
+        if self.policy == "least-outstanding":
+            return self._least_loaded(candidates, loads)
         table = self.table(model)
         chosen: str | None = None
         if session is not None:
@@ -201,8 +208,14 @@ class Balancer:
             ):
                 chosen = pinned
         if chosen is None and prefix:
-            holders, _ = table.lookup(prefix, candidates)
-            if holders:
+            holders, depth = table.lookup(prefix, candidates)
+            # A holder of less than half the prompt saves less than a queue costs: a new
+            # conversation that shares only a system prompt goes by load, and the system prompt
+            # gets cached on every replica once (cheap), instead of a hot one piling its
+            # conversations onto the replicas that happened to see it first (SGLang's
+            # cache-aware policy uses the same threshold). The conversation's later turns match
+            # nearly whole and stay where their history is.
+            if holders and depth * 2 >= len(prefix):
                 # The least loaded holder; among equals the one that got this prefix longest
                 # ago, which takes turns between replicas sharing a system prompt.
                 holder = min(reversed(holders), key=lambda r: outstanding.get(r, 0))

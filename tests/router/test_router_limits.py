@@ -258,3 +258,10 @@ def test_the_write_deadline_comes_from_the_environment_and_bad_values_are_refuse
     for bad in ("0", "-1", "soon", "inf", "nan"):
         with pytest.raises(ConfigError, match="LLMGW_ROUTER_CLIENT_SEND_S="):
             from_env({"LLMGW_ROUTER_CLIENT_SEND_S": bad})
+
+
+def test_the_routing_policy_comes_from_the_environment_and_an_unknown_one_is_refused() -> None:
+    assert from_env({}).policy == "affinity"
+    assert from_env({"LLMGW_ROUTER_POLICY": "round-robin"}).policy == "round-robin"
+    with pytest.raises(ConfigError, match="LLMGW_ROUTER_POLICY='random': expected one of affinity"):
+        from_env({"LLMGW_ROUTER_POLICY": "random"})

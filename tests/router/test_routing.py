@@ -226,3 +226,43 @@ def test_within_bound_allows_slack_then_a_multiple_of_the_average() -> None:
     # Under heavy load the bound is relative: 40 against 30 is within 1.5x the average.
     assert within_bound(40, [40, 30], slack=2, balance_factor=1.5)
     assert not within_bound(60, [60, 20], slack=2, balance_factor=1.2)
+
+
+def test_the_comparison_policies_ignore_where_a_prefix_went() -> None:
+    """least-outstanding and round-robin are what affinity is measured against; neither may
+    follow a conversation's prefix, or the comparison measures nothing."""
+    prefix = prefix_hashes(SYSTEM)
+    replicas = ["a", "b", "c"]
+    for policy in ("least-outstanding", "round-robin"):
+        balancer = Balancer(policy=policy)
+        picks = [balancer.choose("m", replicas, prefix=prefix) for _ in range(9)]
+        assert {r: picks.count(r) for r in replicas} == {"a": 3, "b": 3, "c": 3}, policy
+    # With load, least-outstanding goes to the idle replica and round-robin does not look.
+    balancer = Balancer(policy="least-outstanding")
+    balancer.acquire("a")
+    balancer.acquire("b")
+    assert balancer.choose("m", replicas, prefix=prefix) == "c"
+    rr = Balancer(policy="round-robin")
+    for replica in ("a", "b"):
+        for _ in range(5):
+            rr.acquire(replica)
+    assert [rr.choose("m", replicas) for _ in range(3)] == ["b", "c", "a"]
+
+
+def test_a_new_conversation_sharing_less_than_half_its_prompt_goes_by_load() -> None:
+    """A hot system prompt must not pile its conversations onto the replicas that saw it first:
+    when the cached part is under half the prompt, load decides; the turns after stay home."""
+    balancer = Balancer()
+    replicas = ["a", "b", "c"]
+    system = "be brief. " * 20
+    homes = []
+    for i in range(6):
+        # Each conversation: the shared system prompt, then a document of its own three times
+        # as long.
+        opening = prefix_hashes(system + f"document {i} " * 60)
+        home = balancer.choose("m", replicas, prefix=opening)
+        assert home is not None
+        homes.append(home)
+        later = prefix_hashes(system + f"document {i} " * 60 + "and a question")
+        assert balancer.choose("m", replicas, prefix=later) == home
+    assert sorted(homes) == ["a", "a", "b", "b", "c", "c"]
