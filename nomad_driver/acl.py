@@ -104,7 +104,7 @@ _ENGINE_READ = ConsulGrant("service", "llmgw-engine", "read")
 
 CALLS: dict[Component, tuple[Call, ...]] = {
     "watcher": (
-        # Consul: the state it watches and writes (nomad_driver/watch.py, watcher.py). `llmgw apply`
+        # Consul: the state it watches and writes (nomad_driver/watcher/watch.py, watcher.py). `llmgw apply`
         # (apply.py) runs with the operator's token, not the watcher's.
         _consul(
             "GET",
@@ -129,7 +129,7 @@ CALLS: dict[Component, tuple[Call, ...]] = {
         _consul(
             "DELETE", "/v1/kv/llmgw/<key>", "remove a key llmgw owns", _key("llmgw/", "write", prefix=True)
         ),
-        # Leadership (nomad_driver/leader.py): the session is tied to the local agent's node,
+        # Leadership (nomad_driver/watcher/leader.py): the session is tied to the local agent's node,
         # whose name the policy cannot know in advance.
         _consul(
             "PUT",
@@ -156,7 +156,7 @@ CALLS: dict[Component, tuple[Call, ...]] = {
         _consul(
             "PUT", "/v1/kv/llmgw/leader?release=<session>", "give the lock up", _key("llmgw/leader", "write")
         ),
-        # Model health entries (nomad_driver/health.py): one external node, one service per model.
+        # Model health entries (nomad_driver/watcher/health.py): one external node, one service per model.
         _consul(
             "PUT",
             "/v1/catalog/register",

@@ -23,10 +23,10 @@ from typing import Any, Literal, NoReturn
 from nomad_driver.consul import Consul
 from nomad_driver.nomad import JOB_PREFIX, Nomad
 from nomad_driver.placement import summarize_placement
-from nomad_driver.reconcile import job_def_hash, job_group, job_is_current, job_scaling_max
 from nomad_driver.render import render_job
 from nomad_driver.spec import Model, ModelSet, SpecError, parse_models, problem_line, read_models_text
 from nomad_driver.state import CONFIG_MODELS_KEY
+from nomad_driver.watcher.reconcile import job_def_hash, job_group, job_is_current, job_scaling_max
 
 # Exit codes, for CI to gate on (documented in README and docs/operating.md).
 EXIT_NOTHING_TO_DO = 0

@@ -169,10 +169,10 @@ def env_section() -> list[str]:
 
 def admin_routes() -> list[tuple[str, str, list[str]]]:
     """(method, path, path parameters) of every route the watcher's admin API serves."""
-    from nomad_driver.admin import create_app
     from nomad_driver.consul import Consul
     from nomad_driver.nomad import Nomad
-    from nomad_driver.watcher import Watcher, WatcherConfig
+    from nomad_driver.watcher.admin import create_app
+    from nomad_driver.watcher.loop import Watcher, WatcherConfig
 
     consul = Consul("http://127.0.0.1:1")
     try:

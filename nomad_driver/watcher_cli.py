@@ -118,11 +118,11 @@ def watcher(
     """Watch Nomad and Consul: park failing models, name unplaceable ones, scale idle ones down."""
     import uvicorn
 
-    from nomad_driver.admin import create_app
     from nomad_driver.consul import Consul
     from nomad_driver.logs import configure_logging
     from nomad_driver.nomad import Nomad
-    from nomad_driver.watcher import Watcher, WatcherConfig
+    from nomad_driver.watcher.admin import create_app
+    from nomad_driver.watcher.loop import Watcher, WatcherConfig
 
     configure_logging(log_level)
     host, port = split_listen(listen)

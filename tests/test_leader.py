@@ -9,11 +9,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 
 from nomad_driver.consul import Consul, ConsulUnavailable
-from nomad_driver.health import NODE, Entry, HealthEntries
-from nomad_driver.leader import Leadership
 from nomad_driver.nomad import Nomad
 from nomad_driver.state import LEADER_KEY, ModelState, parse_state, state_key
-from nomad_driver.watcher import Watcher, WatcherConfig
+from nomad_driver.watcher.health import NODE, Entry, HealthEntries
+from nomad_driver.watcher.leader import Leadership
+from nomad_driver.watcher.loop import Watcher, WatcherConfig
 
 pytestmark = pytest.mark.timeout(120)
 

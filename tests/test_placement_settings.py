@@ -21,7 +21,7 @@ from nomad_driver.nomad import Nomad
 from nomad_driver.placement import latest_placement_failure
 from nomad_driver.spec import parse_models
 from nomad_driver.state import CONFIG_MODELS_KEY
-from nomad_driver.watcher import Watcher, WatcherConfig
+from nomad_driver.watcher.loop import Watcher, WatcherConfig
 from tests.watcher_support import engines_dir, node, until
 
 pytestmark = pytest.mark.timeout(120)

@@ -165,7 +165,7 @@ def test_json_shape_is_the_documented_one(cluster: StandIn, demo: Path) -> None:
 async def test_a_profile_that_needs_more_gpu_memory_fits_nowhere_before_and_after_apply(
     consul_url: str, start_standin: Callable[..., StandIn], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from nomad_driver.watcher import Watcher, WatcherConfig
+    from nomad_driver.watcher.loop import Watcher, WatcherConfig
 
     standin = start_standin(nodes=demo_fleet(tmp_path), consul=False)
     monkeypatch.setenv("CONSUL_HTTP_ADDR", consul_url)

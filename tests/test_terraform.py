@@ -819,8 +819,8 @@ async def test_the_watchers_consul_work_succeeds_under_the_watcher_policy(
     """The watcher's real Consul client and health entries, not hand-made requests: the lock, a
     fenced state write and the model health entries, all with the watcher's token."""
     from nomad_driver.consul import Consul
-    from nomad_driver.health import Entry, HealthEntries
     from nomad_driver.state import KV_PREFIX, LEADER_KEY, ModelState, state_key
+    from nomad_driver.watcher.health import Entry, HealthEntries
 
     url, master = acl_consul
     consul = Consul(url, token=consul_token_for(url, master, "watcher"))

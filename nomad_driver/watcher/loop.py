@@ -20,28 +20,9 @@ from typing import Any
 
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_random_exponential
 
-from nomad_driver import parking
 from nomad_driver.consul import Consul, ConsulError, ConsulUnavailable, KVEntry
-from nomad_driver.health import Entry, HealthEntries
-from nomad_driver.leader import LeaderInfo, Leadership, LeaseLost
-from nomad_driver.multinode import pin_to_fabric, scale_replica, set_replica_count
 from nomad_driver.nomad import Nomad, NomadError, NomadUnavailable
 from nomad_driver.placement import PlacementWarnings
-from nomad_driver.reconcile import (
-    DEFAULT_MAX_START_FAILURES,
-    Action,
-    Decision,
-    ModelView,
-    NomadAction,
-    Park,
-    RegisterJob,
-    Scale,
-    WriteState,
-    job_group,
-    model_health,
-    reconcile,
-    retried,
-)
 from nomad_driver.render import SERVICE_NAME, render_job
 from nomad_driver.spec import Model, SpecError, parse_models
 from nomad_driver.state import (
@@ -57,7 +38,26 @@ from nomad_driver.state import (
     parse_state,
     state_key,
 )
-from nomad_driver.watch import (
+from nomad_driver.watcher import parking
+from nomad_driver.watcher.health import Entry, HealthEntries
+from nomad_driver.watcher.leader import LeaderInfo, Leadership, LeaseLost
+from nomad_driver.watcher.multinode import pin_to_fabric, scale_replica, set_replica_count
+from nomad_driver.watcher.reconcile import (
+    DEFAULT_MAX_START_FAILURES,
+    Action,
+    Decision,
+    ModelView,
+    NomadAction,
+    Park,
+    RegisterJob,
+    Scale,
+    WriteState,
+    job_group,
+    model_health,
+    reconcile,
+    retried,
+)
+from nomad_driver.watcher.watch import (
     JobCache,
     NodeCache,
     Watch,

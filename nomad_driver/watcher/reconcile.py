@@ -13,11 +13,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from nomad_driver.parking import Ledger, StartId, count_start_failures
 from nomad_driver.placement import latest_placement_failure
 from nomad_driver.render import SHARD_GROUP
 from nomad_driver.spec import Model
 from nomad_driver.state import ModelState
+from nomad_driver.watcher.parking import Ledger, StartId, count_start_failures
 
 DEFAULT_MAX_START_FAILURES = 5
 HealthStatus = Literal["passing", "warning", "critical"]

@@ -25,7 +25,7 @@ from nomad_driver.consul import ConsulError
 from nomad_driver.node_inventory import engine_meta_key
 from nomad_driver.spec import redact
 from nomad_driver.summary import _gpu_use, _held_devices, fleet_summary, node_state
-from nomad_driver.watcher import NotLeader, UnknownModel, Watcher
+from nomad_driver.watcher.loop import NotLeader, UnknownModel, Watcher
 
 TOKEN_ENV = "LLMGW_ADMIN_TOKEN"
 

@@ -1,0 +1,2 @@
+"""The watcher: the control loop that watches Consul and Nomad, reconciles, parks, places, leads,
+acts, reports, and serves the admin API. Imports the root contracts and clients; never cli or router."""
