@@ -252,7 +252,7 @@ CALLS: dict[Component, tuple[Call, ...]] = {
         ),
     ),
     "operator": (
-        # `llmgw apply` (nomad_driver/apply.py): the definitions with check-and-set, then each job
+        # `llmgw apply` (nomad_driver/cli/apply.py): the definitions with check-and-set, then each job
         # read (to keep its count and skip an unchanged one) before it is registered.
         _consul(
             "GET",
@@ -268,7 +268,7 @@ CALLS: dict[Component, tuple[Call, ...]] = {
         ),
         _nomad("GET", "/v1/job/<job>", "is the running job current; its replica count", _ns("read-job")),
         _nomad("POST", "/v1/job/<job>", "register a new or changed model job", _ns("submit-job")),
-        # `llmgw plan` (nomad_driver/plan.py), which `apply` runs first: the running model jobs
+        # `llmgw plan` (nomad_driver/cli/plan.py), which `apply` runs first: the running model jobs
         # (removed models), Nomad's plan of each changed one, the nodes' GPUs where it fits.
         _nomad(
             "GET", "/v1/jobs?prefix=llmgw-&meta=true", "model jobs no longer in the file", _ns("list-jobs")

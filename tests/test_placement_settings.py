@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from devstack import demo_models, fleet
 from devstack.nomad.nodes import load_nodes
-from nomad_driver.cli import app
+from nomad_driver.cli.app import app
 from nomad_driver.consul import Consul
 from nomad_driver.nomad import Nomad
 from nomad_driver.placement import latest_placement_failure

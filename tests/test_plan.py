@@ -23,7 +23,7 @@ from typer.testing import CliRunner, Result
 
 from devstack.demo_models import TEMPLATE, effective_models_text
 from devstack.fleet import GPU_POOL, effective_nodes
-from nomad_driver.cli import app
+from nomad_driver.cli.app import app
 from nomad_driver.consul import Consul
 from nomad_driver.nomad import Nomad
 from nomad_driver.state import CONFIG_MODELS_KEY

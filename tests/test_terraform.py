@@ -296,7 +296,7 @@ def cli_verbs() -> set[str]:
     """Every verb of the `llmgw` CLI as an operator types it (`apply`, `ctl retry`)."""
     import typer.main
 
-    from nomad_driver.cli import app
+    from nomad_driver.cli.app import app
 
     command = typer.main.get_command(app)
     verbs: set[str] = set()
@@ -569,7 +569,7 @@ async def test_apply_stores_definitions_under_the_operator_policy_and_nothing_el
     acl_consul: tuple[str, str],
 ) -> None:
     """`llmgw apply`'s own Consul code, run with a token carrying only the operator policy."""
-    from nomad_driver.apply import store_definitions
+    from nomad_driver.cli.apply import store_definitions
     from nomad_driver.consul import Consul
     from nomad_driver.state import ModelState, state_key
 

@@ -25,7 +25,7 @@ import pytest
 import requests
 from typer.testing import CliRunner
 
-from nomad_driver.cli import app
+from nomad_driver.cli.app import app
 from nomad_driver.consul import Consul
 from nomad_driver.nomad import Nomad
 from nomad_driver.render import render_job

@@ -16,7 +16,7 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 
 from devstack.prometheus import self_signed_certificate
-from nomad_driver import ctl
+from nomad_driver.cli import ctl
 from nomad_driver.consul import Consul
 from nomad_driver.nomad import Nomad
 from nomad_driver.spec import parse_models

@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from nomad_driver.admin_client import (
+from nomad_driver.cli.admin_client import (
     DEFAULT_ADMIN_ADDR,
     AdminClient,
     AdminError,

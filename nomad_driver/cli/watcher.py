@@ -202,10 +202,10 @@ def apply(
     """Show the plan for MODELS.yaml, then store it in Consul (llmgw/config/models) and register
     its jobs. Asks first in a terminal; without one it applies a plan where everything fits, and
     refuses (exit 7) one where a model fits nowhere unless --allow-unplaceable."""
-    from nomad_driver.apply import ApplyConflict, apply_file
+    from nomad_driver.cli.apply import ApplyConflict, apply_file
+    from nomad_driver.cli.plan import EXIT_FITS_NOWHERE, plan_or_exit, show_plan
     from nomad_driver.consul import ConsulError
     from nomad_driver.nomad import NomadError
-    from nomad_driver.plan import EXIT_FITS_NOWHERE, plan_or_exit, show_plan
     from nomad_driver.spec import SpecError, problem_line
 
     plan = plan_or_exit(models, as_json=False, verb="apply")
@@ -261,8 +261,8 @@ def ctl_retry(
 ) -> None:
     """Unpark a model: clear its failure count and restore its replicas. The leader does it; sent
     to a follower, the request follows it to the leader."""
-    from nomad_driver.admin_client import AdminClient, NotLeader, retry_on_leader
-    from nomad_driver.ctl import admin_errors, client_of
+    from nomad_driver.cli.admin_client import AdminClient, NotLeader, retry_on_leader
+    from nomad_driver.cli.ctl import admin_errors, client_of
 
     # Given after the verb, they win over the group's; otherwise the group's client is used.
     client = client_of(ctx)
