@@ -245,7 +245,7 @@ CALLS: dict[Component, tuple[Call, ...]] = {
         _nomad("GET", "/v1/evaluation/<eval>", "wait for that attempt's evaluation", _ns("read-job")),
     ),
     "node-agent": (
-        # Nomad (nomad_driver/node_agent.py), on the local client agent.
+        # Nomad (nomad_driver/node_agent/agent.py), on the local client agent.
         _nomad("GET", "/v1/client/metadata", "what is published now", NomadGrant("node", "read")),
         _nomad(
             "POST", "/v1/client/metadata", "publish GPUs, engines and weights", NomadGrant("node", "write")

@@ -797,7 +797,7 @@ def test_every_consul_and_nomad_call_in_the_code_is_in_the_acl_table() -> None:
             "router"
             if rel.parts[0] == "router"
             else "node-agent"
-            if path.name == "node_agent.py"
+            if rel.parts[:2] == ("nomad_driver", "node_agent")
             else "operator"
             if path.name == "plan.py"  # `llmgw plan` and `apply`, with the operator's tokens
             else "watcher"

@@ -199,7 +199,7 @@ def node_agent_command(
 ) -> None:
     """Publish this node's GPUs, engines and cached weights as Nomad node metadata."""
     from nomad_driver.logs import configure_logging
-    from nomad_driver.node_agent import NodeAgentConfig, serve
+    from nomad_driver.node_agent.agent import NodeAgentConfig, serve
 
     configure_logging(log_level)
     config = NodeAgentConfig(

@@ -22,7 +22,7 @@ from prometheus_client.registry import Collector
 
 from nomad_driver.certs import register_cert_collector
 from nomad_driver.consul import ConsulError
-from nomad_driver.node_inventory import engine_meta_key
+from nomad_driver.node_agent.inventory import engine_meta_key
 from nomad_driver.spec import redact
 from nomad_driver.summary import _gpu_use, _held_devices, fleet_summary, node_state
 from nomad_driver.watcher.loop import NotLeader, UnknownModel, Watcher

@@ -21,9 +21,9 @@ import httpx
 from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client import Counter as PromCounter
 
-from nomad_driver.node_inventory import EngineInstall, EngineScanner, cached_models, engine_meta_key
+from nomad_driver.node_agent.inventory import EngineInstall, EngineScanner, cached_models, engine_meta_key
+from nomad_driver.node_agent.nvml import GpuReading, NvmlReader, NvmlUnavailable
 from nomad_driver.nomad import tls_from_env
-from nomad_driver.nvml import GpuReading, NvmlReader, NvmlUnavailable
 
 log = logging.getLogger("llmgw.node_agent")
 
