@@ -241,7 +241,7 @@ def planned_count(model: Model, job: Mapping[str, Any]) -> tuple[int, bool]:
 def nomad_plan(nomad: Nomad, job: dict[str, Any]) -> dict[str, Any]:
     """Nomad's `JobPlanResponse` for registering `job`, with its diff: computed in a snapshot
     and written nowhere. Made here rather than in the client, because only the operator's
-    `plan` and `apply` ask it, with the operator's token (nomad_driver/acl.py, "operator")."""
+    `plan` and `apply` ask it, with the operator's token (tests/acl_table.py, "operator")."""
     resp = nomad._request("job", str(job["ID"]), "plan", method="post", body={"Job": job, "Diff": True})
     data = nomad._json(resp, f"plan {job['ID']}")
     return data if isinstance(data, dict) else {}
