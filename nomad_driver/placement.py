@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from nomad_driver.node_meta import FABRIC_KEY, interpolated, models_cached
 from nomad_driver.summary import fleet_summary
 
 # Evaluations that say nothing about placement yet (pending) or were superseded (canceled).
@@ -222,9 +223,6 @@ class PlacementWarnings:
 # constraint keeps the shards of one replica inside one fabric (nodes on different fabrics are
 # not connected to one another). The watcher picks the fabric and pins the replica to it.
 
-FABRIC_META = "llmgw_fabric"
-FABRIC_TARGET = "${meta.llmgw_fabric}"
-
 
 @dataclass(frozen=True)
 class FabricRoom:
@@ -245,9 +243,8 @@ def fabric_rooms(nodes: list[dict[str, Any]], allocs: list[dict[str, Any]], mode
         meta = node.get("Meta") if isinstance(node, dict) else None
         if not isinstance(meta, dict) or node.get("Status") != "ready":
             continue
-        cached = {m.strip() for m in str(meta.get("llmgw_models_cached") or "").split(",")}
-        if model in cached and meta.get(FABRIC_META):
-            with_weights.add(str(meta[FABRIC_META]))
+        if model in models_cached(meta) and meta.get(FABRIC_KEY):
+            with_weights.add(str(meta[FABRIC_KEY]))
     return [
         FabricRoom(
             fabric=str(f["fabric"]),
@@ -275,7 +272,7 @@ def choose_fabric(rooms: Sequence[FabricRoom], nodes: int, tried: Sequence[str] 
 
 def fabric_constraint(fabric: str) -> dict[str, Any]:
     """The job constraint that keeps every shard of a replica in `fabric`."""
-    return {"LTarget": FABRIC_TARGET, "RTarget": fabric, "Operand": "="}
+    return {"LTarget": interpolated(FABRIC_KEY), "RTarget": fabric, "Operand": "="}
 
 
 def no_fabric_reason(rooms: Sequence[FabricRoom], nodes: int) -> str:
@@ -283,6 +280,6 @@ def no_fabric_reason(rooms: Sequence[FabricRoom], nodes: int) -> str:
     `needs 3 entirely free nodes in one fabric; largest free blocks: ib-a 2, ib-b 2`."""
     head = f"needs {nodes} entirely free nodes in one fabric"
     if not rooms:
-        return f"{head}; no node reports a fabric ({FABRIC_META})"
+        return f"{head}; no node reports a fabric ({FABRIC_KEY})"
     blocks = ", ".join(f"{r.fabric} {r.largest_free_block}" for r in sorted(rooms, key=lambda r: r.fabric))
     return f"{head}; largest free blocks: {blocks}"

@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from nomad_driver.node_meta import FABRIC_KEY, GPU_CLASS_KEY, models_cached
+
 # How long a ready replica must go unasked-for to be named idle. Minutes rather than seconds,
 # because a replica that flaps in and out of this list is noise, and because unloading one
 # throws away its warm KV cache.
@@ -95,11 +97,6 @@ def _gpu_groups(node: Mapping[str, Any]) -> list[Mapping[str, Any]]:
     return [_dict(d) for d in devices if _dict(d).get("Type") == "gpu"]
 
 
-def _cached_models(node: Mapping[str, Any]) -> set[str]:
-    raw = _dict(node.get("Meta")).get("llmgw_models_cached") or ""
-    return {m.strip() for m in str(raw).split(",") if m.strip()}
-
-
 def _gpu_use(
     nodes: list[Mapping[str, Any]], held: dict[str, set[str]]
 ) -> tuple[list[dict[str, Any]], set[str]]:
@@ -109,7 +106,7 @@ def _gpu_use(
     for node in nodes:
         node_id = str(node.get("ID", ""))
         state = node_state(node)
-        meta_class = _dict(node.get("Meta")).get("llmgw_gpu_class")
+        meta_class = _dict(node.get("Meta")).get(GPU_CLASS_KEY)
         node_total = node_free = 0
         for group in _gpu_groups(node):
             name = str(meta_class or group.get("Name") or "unknown")
@@ -145,7 +142,7 @@ def _fabrics(nodes: list[Mapping[str, Any]], entirely_free: set[str]) -> list[di
     fabrics: dict[str, dict[str, Any]] = {}
     present: dict[str, set[str]] = {}
     for node in nodes:
-        fabric = _dict(node.get("Meta")).get("llmgw_fabric")
+        fabric = _dict(node.get("Meta")).get(FABRIC_KEY)
         if not fabric:
             continue
         use = fabrics.setdefault(
@@ -160,7 +157,7 @@ def _fabrics(nodes: list[Mapping[str, Any]], entirely_free: set[str]) -> list[di
         )
         use["nodes"] += 1
         # A down node's disk serves nobody, so its cached weights are not counted as present.
-        cached = _cached_models(node) if node_state(node) != "down" else set()
+        cached = models_cached(_dict(node.get("Meta"))) if node_state(node) != "down" else set()
         if cached:
             use["nodes_with_weights"] += 1
             present.setdefault(fabric, set()).update(cached)
