@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from nomad_driver.fields import as_int
 from nomad_driver.node_meta import FABRIC_KEY, GPU_CLASS_KEY, models_cached
 
 # How long a ready replica must go unasked-for to be named idle. Minutes rather than seconds,
@@ -33,13 +34,6 @@ def _as_dict(item: Any) -> Mapping[str, Any]:
         if isinstance(result, Mapping):
             return result
     return {}
-
-
-def _int(value: Any) -> int:
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        return 0
 
 
 def _float(value: Any) -> float | None:
@@ -188,7 +182,7 @@ def _replicas(
         # neither time is left out rather than guessed at.
         since = _float(replica.get("last_request_at"))
         if since is None and alloc.get("CreateTime"):
-            since = _int(alloc.get("CreateTime")) / 1e9
+            since = as_int(alloc.get("CreateTime")) / 1e9
         if since is None or now - since < IDLE_AFTER_S:
             continue
         idle.append(
@@ -211,7 +205,7 @@ def _models(models: Mapping[str, Any]) -> dict[str, Any]:
     parked: list[dict[str, Any]] = []
     for name in sorted(models):
         m = _as_dict(models[name])
-        desired, ready = _int(m.get("desired")), _int(m.get("ready"))
+        desired, ready = as_int(m.get("desired")), as_int(m.get("ready"))
         is_parked = m.get("parked") is True
         totals["total"] += 1
         # Against what it should have now, not its minimum: an on-demand model's minimum is 0,
@@ -225,7 +219,7 @@ def _models(models: Mapping[str, Any]) -> dict[str, Any]:
             parked.append(
                 {
                     "model": name,
-                    "consecutive_failures": _int(m.get("consecutive_failures")),
+                    "consecutive_failures": as_int(m.get("consecutive_failures")),
                     "last_error": str(m.get("last_error") or ""),
                 }
             )

@@ -15,18 +15,21 @@ from pathlib import Path
 
 import typer
 
+from nomad_driver.admin_api import TOKEN_ENV
+from router.config import ConfigError, parse_listen
+
 EXIT_BAD_INPUT = 2
 EXIT_UNREACHABLE = 3
 EXIT_UNKNOWN_MODEL = 4
 EXIT_REFUSED = 5
-TOKEN_ENV = "LLMGW_ADMIN_TOKEN"
 
 
 def split_listen(listen: str) -> tuple[str, int]:
-    host, _, port = listen.rpartition(":")
-    if not host or not port.isdigit():
-        raise typer.BadParameter(f"--listen must be HOST:PORT, got {listen!r}")
-    return host.strip("[]"), int(port)
+    """`--listen` read as the router reads its own, with the error naming the flag."""
+    try:
+        return parse_listen(listen)
+    except ConfigError as exc:
+        raise typer.BadParameter(f"--listen: {exc}") from None
 
 
 # Listening on every interface says nothing about where others reach us.

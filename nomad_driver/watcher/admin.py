@@ -20,14 +20,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from nomad_driver.admin_api import TOKEN_ENV
 from nomad_driver.certs import register_cert_collector
 from nomad_driver.consul import ConsulError
 from nomad_driver.node_meta import ENGINE_KEY_PREFIX, FABRIC_KEY, engine_meta_key, models_cached
 from nomad_driver.spec import redact
 from nomad_driver.summary import _gpu_use, _held_devices, fleet_summary, node_state
 from nomad_driver.watcher.loop import NotLeader, UnknownModel, Watcher
-
-TOKEN_ENV = "LLMGW_ADMIN_TOKEN"
 
 # Node meta key -> engine name. The key is a mangled name (`llama.cpp` and `llama_cpp` would
 # both be `llmgw_engine_llama_cpp`), so the known engines are mapped back by name; a key no

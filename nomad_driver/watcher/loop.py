@@ -56,6 +56,7 @@ from nomad_driver.watcher.reconcile import (
     model_health,
     reconcile,
     retried,
+    same_state,
 )
 from nomad_driver.watcher.watch import (
     JobCache,
@@ -116,10 +117,6 @@ def _passing(entry: Mapping[str, Any]) -> bool:
     return isinstance(checks, list) and all(
         isinstance(c, dict) and c.get("Status") == "passing" for c in checks
     )
-
-
-def _same_state(a: ModelState, b: ModelState) -> bool:
-    return a.model_dump(exclude={"updated_at"}) == b.model_dump(exclude={"updated_at"})
 
 
 def _alloc_time(alloc: Mapping[str, Any], state: str) -> float | None:
@@ -548,7 +545,7 @@ class Watcher:
             if isinstance(a, Park):
                 a = replace(a, state=state)
             elif isinstance(a, WriteState):
-                unchanged = stored is not None and not view.state_problem and _same_state(state, stored)
+                unchanged = stored is not None and not view.state_problem and same_state(state, stored)
                 if unchanged:
                     continue
                 a = replace(a, state=state)
