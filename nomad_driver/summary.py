@@ -76,7 +76,7 @@ def _alloc_device_ids(alloc: Mapping[str, Any]) -> set[str]:
     return ids
 
 
-def _held_devices(allocs: Iterable[Mapping[str, Any]]) -> dict[str, set[str]]:
+def held_devices(allocs: Iterable[Mapping[str, Any]]) -> dict[str, set[str]]:
     """Device IDs held by live allocations, per node ID."""
     held: dict[str, set[str]] = {}
     for alloc in allocs:
@@ -91,7 +91,7 @@ def _gpu_groups(node: Mapping[str, Any]) -> list[Mapping[str, Any]]:
     return [_dict(d) for d in devices if _dict(d).get("Type") == "gpu"]
 
 
-def _gpu_use(
+def gpu_use(
     nodes: list[Mapping[str, Any]], held: dict[str, set[str]]
 ) -> tuple[list[dict[str, Any]], set[str]]:
     """GPUs per class, and the IDs of nodes whose every GPU is free."""
@@ -248,7 +248,7 @@ def fleet_summary(
     for node in node_list:
         node_totals[node_state(node)] += 1
 
-    gpus, entirely_free = _gpu_use(node_list, _held_devices(alloc_list))
+    gpus, entirely_free = gpu_use(node_list, held_devices(alloc_list))
     replica_totals, idle = _replicas(replica_list, alloc_list, now)
     return {
         "generated_at": now,

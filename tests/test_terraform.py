@@ -745,7 +745,7 @@ def api_calls_in(path: Path) -> Iterator[tuple[str | None, str, int]]:
             func = node.args[0]
             name = func.attr
             node = ast.Call(func=func, args=node.args[1:], keywords=node.keywords, lineno=node.lineno)
-        if name in ("_request", "blocking_list") or name.endswith("_list_fetch"):
+        if name in ("_request", "request_json", "blocking_list") or name.endswith("_list_fetch"):
             # nomad_list_fetch(nomad, "allocations", wait_s) names the collection it lists.
             args = node.args[1:2] if name.endswith("_list_fetch") else node.args
             url = _pynomad_path(ast.Call(func=func, args=args, keywords=[])) if args else None

@@ -242,8 +242,14 @@ def nomad_plan(nomad: Nomad, job: dict[str, Any]) -> dict[str, Any]:
     """Nomad's `JobPlanResponse` for registering `job`, with its diff: computed in a snapshot
     and written nowhere. Made here rather than in the client, because only the operator's
     `plan` and `apply` ask it, with the operator's token (tests/acl_table.py, "operator")."""
-    resp = nomad._request("job", str(job["ID"]), "plan", method="post", body={"Job": job, "Diff": True})
-    data = nomad._json(resp, f"plan {job['ID']}")
+    data = nomad.request_json(
+        "job",
+        str(job["ID"]),
+        "plan",
+        what=f"plan {job['ID']}",
+        method="post",
+        body={"Job": job, "Diff": True},
+    )
     return data if isinstance(data, dict) else {}
 
 

@@ -25,7 +25,7 @@ from nomad_driver.certs import register_cert_collector
 from nomad_driver.consul import ConsulError
 from nomad_driver.node_meta import ENGINE_KEY_PREFIX, FABRIC_KEY, engine_meta_key, models_cached
 from nomad_driver.spec import redact
-from nomad_driver.summary import _gpu_use, _held_devices, fleet_summary, node_state
+from nomad_driver.summary import fleet_summary, gpu_use, held_devices, node_state
 from nomad_driver.watcher.loop import NotLeader, UnknownModel, Watcher
 
 # Node meta key -> engine name. The key is a mangled name (`llama.cpp` and `llama_cpp` would
@@ -195,12 +195,12 @@ def model_status(w: Watcher, name: str) -> dict[str, Any]:
 def nodes_status(w: Watcher) -> list[dict[str, Any]]:
     """Every Nomad node as `GET /v1/admin/nodes` shows it, sorted by name."""
     nodes = [dict(n) for n in (w.nodes.snapshot.data if w.nodes.snapshot else ())]
-    held = _held_devices(w.allocs.snapshot.data if w.allocs.snapshot else ())
+    held = held_devices(w.allocs.snapshot.data if w.allocs.snapshot else ())
     out = []
     for node in nodes:
         raw_meta = node.get("Meta")
         meta: dict[str, Any] = raw_meta if isinstance(raw_meta, dict) else {}
-        gpus, _ = _gpu_use([node], held)
+        gpus, _ = gpu_use([node], held)
         out.append(
             {
                 "name": str(node.get("Name", "")),

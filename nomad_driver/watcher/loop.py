@@ -794,8 +794,7 @@ class Watcher:
             log.warning("event=fenced_write_refused model=%s reason=%r", model, result.errors)
             # Stop acting now (and count the loss); the election loop catches up with a new
             # session. The old one is destroyed, not left to hold anything until its TTL.
-            self.leadership._set_leader(False, "a fenced write was refused: the lock is lost")
-            self.leadership.abandon_session()
+            self.leadership.step_down("a fenced write was refused: the lock is lost")
         else:
             log.info("event=state_conflict model=%s key=%s", model, key)
         return False
