@@ -104,8 +104,8 @@ _ENGINE_READ = ConsulGrant("service", "llmgw-engine", "read")
 
 CALLS: dict[Component, tuple[Call, ...]] = {
     "watcher": (
-        # Consul: the state it watches and writes (nomad_driver/watcher/watch.py, watcher.py). `llmgw apply`
-        # (apply.py) runs with the operator's token, not the watcher's.
+        # Consul: the state it watches and writes (nomad_driver/watcher/watch.py, loop.py). `llmgw apply`
+        # (cli/apply.py) runs with the operator's token, not the watcher's.
         _consul(
             "GET",
             "/v1/kv/llmgw/?recurse",
@@ -125,7 +125,7 @@ CALLS: dict[Component, tuple[Call, ...]] = {
             _key("llmgw/leader", "read"),
             _key("llmgw/state/", "write", prefix=True),
         ),
-        # The leader deletes the in-flight keys of routers gone for an hour (watcher.py).
+        # The leader deletes the in-flight keys of routers gone for an hour (watcher/loop.py).
         _consul(
             "DELETE", "/v1/kv/llmgw/<key>", "remove a key llmgw owns", _key("llmgw/", "write", prefix=True)
         ),
@@ -181,7 +181,7 @@ CALLS: dict[Component, tuple[Call, ...]] = {
         _consul(
             "GET", "/v1/health/service/llmgw-engine", "count ready replicas", _ENGINE_READ, _ALL_NODES_READ
         ),
-        # Nomad (nomad_driver/nomad.py, watch.py).
+        # Nomad (nomad_driver/nomad.py, watcher/watch.py).
         _nomad("GET", "/v1/jobs?prefix=llmgw-", "watch the model jobs", _ns("list-jobs")),
         _nomad("GET", "/v1/job/<job>", "read a model job", _ns("read-job")),
         _nomad("POST", "/v1/job/<job>", "register or update a model job", _ns("submit-job")),
