@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -39,6 +38,7 @@ from nomad_driver.state import (
     state_key,
 )
 from nomad_driver.watcher import parking
+from nomad_driver.watcher.engine_errors import EngineErrors
 from nomad_driver.watcher.health import Entry, HealthEntries
 from nomad_driver.watcher.leader import LeaderInfo, Leadership, LeaseLost
 from nomad_driver.watcher.multinode import pin_to_fabric, scale_replica, set_replica_count
@@ -58,6 +58,7 @@ from nomad_driver.watcher.reconcile import (
     retried,
     same_state,
 )
+from nomad_driver.watcher.replicas import entry_alloc_id, entry_model, list_replicas, passing
 from nomad_driver.watcher.watch import (
     JobCache,
     NodeCache,
@@ -79,8 +80,6 @@ _TRANSIENT_NOMAD_STATUS = frozenset({404, 408, 409, 429})
 # A router's in-flight key that has not been refreshed for this long belongs to a router that is
 # gone; the leader deletes it.
 INFLIGHT_FORGET_AFTER_S = 3600.0
-
-_ALLOC_ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 
 
 class NotLeader(Exception):
@@ -110,43 +109,6 @@ class WatcherConfig:
     # The routers' activity interval (their `activity_interval_s`), the least grace the idle
     # clock gets when no router publishes a longer one.
     activity_interval_s: float = 5.0
-
-
-def _passing(entry: Mapping[str, Any]) -> bool:
-    checks = entry.get("Checks")
-    return isinstance(checks, list) and all(
-        isinstance(c, dict) and c.get("Status") == "passing" for c in checks
-    )
-
-
-def _alloc_time(alloc: Mapping[str, Any], state: str) -> float | None:
-    """When Nomad says the allocation entered `state`: its engine's last start, or for a failed
-    one its last change. Unix seconds."""
-    if state == "failed":
-        stamp = alloc.get("ModifyTime")
-    else:
-        starts = [
-            e.get("Time")
-            for ts in (alloc.get("TaskStates") or {}).values()
-            if isinstance(ts, dict)
-            for e in ts.get("Events") or []
-            if isinstance(e, dict) and e.get("Type") == "Started"
-        ]
-        stamp = max((s for s in starts if isinstance(s, int)), default=None) or alloc.get("CreateTime")
-    return stamp / 1e9 if isinstance(stamp, int) and stamp > 0 else None
-
-
-def _entry_model(entry: Mapping[str, Any]) -> str:
-    svc = entry.get("Service")
-    if not isinstance(svc, dict):
-        return ""
-    meta = svc.get("Meta")
-    if isinstance(meta, dict) and meta.get("model"):
-        return str(meta["model"])
-    for tag in svc.get("Tags") or []:
-        if isinstance(tag, str) and tag.startswith("model="):
-            return tag[len("model=") :]
-    return ""
 
 
 class Watcher:
@@ -225,8 +187,8 @@ class Watcher:
         # Replicas as of the last pass, and since when each has been in its state.
         self.replicas: list[dict[str, Any]] = []
         self._replica_since: dict[str, tuple[str, float]] = {}
-        # The engine's own words for a failed start, read once per start (see `_engine_error`).
-        self._engine_errors: dict[tuple[str, str, int], str] = {}
+        # The engine's own words for a failed start, read once per start.
+        self.engine_errors = EngineErrors(nomad, self.config.stderr_wait_s)
 
     # Lifecycle
 
@@ -353,22 +315,21 @@ class Watcher:
         ready: dict[str, int] = {}
         # The starts passing their check now: a fact of these snapshots, not a memory. Which
         # start was ever healthy outlives it only through the model's stored count (baseline).
-        passing: set[parking.StartId] = set()
+        passing_starts: set[parking.StartId] = set()
         for entry in self.engines.snapshot.data if self.engines.snapshot else ():
-            if not _passing(entry):
+            if not passing(entry):
                 continue
-            engine_model = _entry_model(entry)
+            engine_model = entry_model(entry)
             ready[engine_model] = ready.get(engine_model, 0) + 1
-            svc = entry.get("Service") or {}
-            found = _ALLOC_ID.search(str(svc.get("ID", "")))
-            alloc = allocs_by_id.get(found.group(0)) if found else None
+            alloc_id = entry_alloc_id(entry)
+            alloc = allocs_by_id.get(alloc_id) if alloc_id else None
             if alloc is not None:
                 start = parking.current_start(alloc)
                 # Consul's answer may predate Nomad's: an engine restarted in place has a new
                 # start while Consul still shows the old one's passing check.
                 if start is not None and self._start_seen.get(start, engines_at) < engines_at:
-                    passing.add(start)
-        healthy = frozenset(passing)
+                    passing_starts.add(start)
+        healthy = frozenset(passing_starts)
 
         in_flight, busy, grace = self._in_flight(kv, now)
         views: dict[str, ModelView] = {}
@@ -486,7 +447,7 @@ class Watcher:
         }
         for name, d in decisions.items():
             decisions[name] = await self._telling(d, views[name])
-        self._engine_errors = {k: v for k, v in self._engine_errors.items() if k in parks}
+        self.engine_errors.keep_only(parks)
         self.views, self.decisions = views, decisions
         self.replicas = self._build_replicas(views)
         self.passes += 1
@@ -528,7 +489,7 @@ class Watcher:
         stored = view.state
         park = next((a for a in d.actions if isinstance(a, Park)), None)
         if park is not None:
-            state = state.model_copy(update={"last_error": await self._engine_error(park)})
+            state = state.model_copy(update={"last_error": await self.engine_errors.read(park)})
         elif (
             stored is not None
             and state.last_error != stored.last_error
@@ -552,96 +513,15 @@ class Watcher:
             actions.append(a)
         return replace(d, state=state, health=health, health_output=output, actions=tuple(actions))
 
-    async def _engine_error(self, park: Park) -> str:
-        """The line of the failed engine's stderr that says why it died, read through Nomad's
-        logs API once per failed start; Nomad's task event only when that read fails or the
-        engine wrote nothing telling. Bounded, because a pass waits for it."""
-        key = (park.alloc_id, park.task, park.failures)
-        if key in self._engine_errors:
-            return self._engine_errors[key]
-        line = ""
-        if park.alloc_id and park.task:
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + self.config.stderr_wait_s
-            # An empty log is asked again only briefly: most engines that die write nothing
-            # more, and parking must not wait seconds for them.
-            patience = loop.time() + 0.5
-            while True:
-                try:
-                    stderr = await asyncio.wait_for(
-                        asyncio.to_thread(self.nomad.stderr_tail, park.alloc_id, park.task),
-                        timeout=max(0.1, deadline - loop.time()),
-                    )
-                except (NomadError, TimeoutError) as exc:
-                    log.warning(
-                        "event=stderr_unavailable model=%s alloc=%s error=%r fallback=task_event",
-                        park.model,
-                        park.alloc_id,
-                        str(exc) or type(exc).__name__,
-                    )
-                    break
-                line = parking.telling_line(stderr)
-                # Nothing written yet can be a log shipper a moment behind the exit; an engine
-                # that wrote and said nothing telling will not say more.
-                if line or stderr.strip() or loop.time() + 0.1 >= min(deadline, patience):
-                    break
-                await asyncio.sleep(0.1)
-        error = line or park.event_error or "no error recorded"
-        self._engine_errors[key] = error
-        return error
-
     def _build_replicas(self, views: Mapping[str, ModelView]) -> list[dict[str, Any]]:
-        """Every replica of every defined model: placed and live (ready or starting), or failed
-        and waiting for Nomad to restart or replace it."""
-        now = self.clock()
-        by_job = {v.model.job_id: name for name, v in views.items()}
-        passing: dict[str, dict[str, Any]] = {}
-        for entry in self.engines.snapshot.data if self.engines.snapshot else ():
-            svc = entry.get("Service") or {}
-            found = _ALLOC_ID.search(str(svc.get("ID", "")))
-            if found and _passing(entry):
-                passing[found.group(0)] = entry
-        out: list[dict[str, Any]] = []
-        seen: dict[str, tuple[str, float]] = {}
-        for a in self.allocs.snapshot.data if self.allocs.snapshot else ():
-            model = by_job.get(str(a.get("JobID")))
-            alloc_id = str(a.get("ID", ""))
-            if model is None or a.get("DesiredStatus") != "run":
-                continue
-            client = a.get("ClientStatus")
-            if client in ("pending", "running"):
-                state = "ready" if alloc_id in passing else "starting"
-            elif client == "failed" and not a.get("NextAllocation"):
-                state = "failed"
-            else:
-                continue
-            held = self._replica_since.get(alloc_id)
-            if held is not None and held[0] == state:
-                since = held[1]
-            elif held is None:
-                # First sight (a watcher just started): Nomad's own time is nearer the truth.
-                since = _alloc_time(a, state) or now
-            else:
-                since = now
-            seen[alloc_id] = (state, since)
-            svc = (passing.get(alloc_id) or {}).get("Service") or {}
-            address = f"{svc.get('Address')}:{svc.get('Port')}" if svc.get("Address") else ""
-            out.append(
-                {
-                    "model": model,
-                    "alloc_id": alloc_id,
-                    "node": str(a.get("NodeName") or ""),
-                    "node_id": str(a.get("NodeID") or ""),
-                    "address": address,
-                    "state": state,
-                    "ready": state == "ready",
-                    "since": since,
-                    "last_request_at": views[model].activity,
-                }
-            )
-        self._replica_since = seen
-        out.sort(key=lambda r: (r["model"], r["node"], r["alloc_id"]))
-        return out
+        replicas, self._replica_since = list_replicas(
+            views,
+            self.engines.snapshot.data if self.engines.snapshot else (),
+            self.allocs.snapshot.data if self.allocs.snapshot else (),
+            self._replica_since,
+            self.clock(),
+        )
+        return replicas
 
     def _log_placement(self, d: Decision) -> None:
         if d.state.unplaceable:
@@ -761,7 +641,7 @@ class Watcher:
     async def _park(self, model: Model, action: Park) -> None:
         # Read before anything is written (the pass already did; this is its cached answer), so
         # the first parked state anyone sees names the engine's own error.
-        error = await self._engine_error(action)
+        error = await self.engine_errors.read(action)
         message = (
             f"llmgw: parked {model.name} after {action.failures} consecutive start failures: {error}; "
             f"fix the source or profile, or run 'llmgw ctl retry {model.name}'"
