@@ -17,19 +17,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
-from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_random_exponential
-
 from nomad_driver.consul import Consul, ConsulError, ConsulUnavailable, KVEntry
-from nomad_driver.nomad import Nomad, NomadError, NomadUnavailable
+from nomad_driver.nomad import Nomad
 from nomad_driver.placement import PlacementWarnings
-from nomad_driver.render import SERVICE_NAME, render_job
+from nomad_driver.render import SERVICE_NAME
 from nomad_driver.spec import Model, SpecError, parse_models
 from nomad_driver.state import (
     ACTIVITY_PREFIX,
     CONFIG_MODELS_KEY,
     INFLIGHT_PREFIX,
-    LEADER_KEY,
-    ActionError,
     MalformedState,
     ModelState,
     parse_activity,
@@ -38,19 +34,17 @@ from nomad_driver.state import (
     state_key,
 )
 from nomad_driver.watcher import parking
+from nomad_driver.watcher.acting import Actor
 from nomad_driver.watcher.engine_errors import EngineErrors
+from nomad_driver.watcher.fenced import FencedStates
 from nomad_driver.watcher.health import Entry, HealthEntries
 from nomad_driver.watcher.leader import LeaderInfo, Leadership, LeaseLost
-from nomad_driver.watcher.multinode import pin_to_fabric, scale_replica, set_replica_count
 from nomad_driver.watcher.reconcile import (
     DEFAULT_MAX_START_FAILURES,
     Action,
     Decision,
     ModelView,
-    NomadAction,
     Park,
-    RegisterJob,
-    Scale,
     WriteState,
     job_group,
     model_health,
@@ -71,11 +65,6 @@ from nomad_driver.watcher.watch import (
 )
 
 log = logging.getLogger("llmgw.watcher")
-
-# Nomad answers that say "not now" rather than "never": a job that vanished (the next pass
-# registers it again), a timeout, a conflict, a rate limit. Every other 4xx is a refusal that
-# asking again will not change, and becomes the model's `last_action_error`.
-_TRANSIENT_NOMAD_STATUS = frozenset({404, 408, 409, 429})
 
 # A router's in-flight key that has not been refreshed for this long belongs to a router that is
 # gone; the leader deletes it.
@@ -135,8 +124,6 @@ class Watcher:
         )
         self.health = HealthEntries(consul)
         self.warnings = PlacementWarnings(clock)
-        # Refusals are logged like placement warnings: on change or every ten minutes.
-        self.refusal_warnings = PlacementWarnings(clock)
         self._routers_checked_at = 0.0
         self._wake = asyncio.Event()
         w = self.config.wait_s
@@ -178,8 +165,6 @@ class Watcher:
         # that was read from: a passing check vouches only for a start Consul answered about.
         self._start_seen: dict[parking.StartId, float] = {}
         self._starts_from = -1.0
-        # States this watcher wrote that the KV snapshot may not show yet: (ModifyIndex, state).
-        self._written: dict[str, tuple[int, ModelState]] = {}
         self._malformed_reported: set[tuple[str, int]] = set()
         self._tasks: list[asyncio.Task[None]] = []
         self._apply_lock = asyncio.Lock()
@@ -189,6 +174,11 @@ class Watcher:
         self._replica_since: dict[str, tuple[str, float]] = {}
         # The engine's own words for a failed start, read once per start.
         self.engine_errors = EngineErrors(nomad, self.config.stderr_wait_s)
+        # States written under the leader's lock, and the actions that write them.
+        self.states = FencedStates(consul, self.leadership)
+        self.actor = Actor(
+            nomad, self.leadership, self.states, self.engine_errors, self.nodes, self.allocs, clock
+        )
 
     # Lifecycle
 
@@ -199,7 +189,7 @@ class Watcher:
         self.leader_changes += 1
         # A new leader reads the catalog before correcting it; a deposed one forgets its cache.
         self.health.forget()
-        self._written.clear()
+        self.states.forget()
         self.wake()
 
     async def start(self) -> None:
@@ -281,7 +271,7 @@ class Watcher:
         key = state_key(model)
         entry = kv.get(key)
         index = entry.modify_index if entry else 0
-        written = self._written.get(model)
+        written = self.states.pending(model)
         if written is not None and written[0] > index:
             return written[1], written[0], ""
         if entry is None:
@@ -461,7 +451,7 @@ class Watcher:
                 if not self.leadership.is_leader:
                     return
                 try:
-                    decisions[name] = await self._apply_decision(d, views[name])
+                    decisions[name] = await self.actor.apply_decision(self.models[d.model], d, views[name])
                 except LeaseLost as exc:
                     log.warning("event=actions_stopped model=%s reason=%r", d.model, str(exc))
                     return
@@ -535,150 +525,6 @@ class Watcher:
         else:
             self.warnings.clear(d.model)
 
-    async def _apply_decision(self, d: Decision, view: ModelView) -> Decision:
-        """Apply one model's actions, then record how Nomad took them: a refusal that will not
-        heal becomes the model's `last_action_error` (stored, shown, counted, alerted on), and
-        the next success, or nothing left to ask of Nomad, clears it. Returns the decision as
-        it now stands, so the Consul UI check shows the refusal in the same pass."""
-        model = self.models[d.model]
-        condition = d.state.last_action_error
-        asked_nomad = False
-        parked = False
-        write: WriteState | None = None
-        for action in d.actions:
-            if isinstance(action, WriteState):
-                write = action  # written last, with the outcome of the Nomad calls
-                continue
-            if not self.leadership.is_leader:
-                raise LeaseLost("leadership lost during the pass")
-            if isinstance(action, Park):
-                action = replace(action, state=action.state.model_copy(update={"last_action_error": None}))
-            outcome = await self._apply(model, action)
-            if isinstance(action, NomadAction):
-                asked_nomad = True
-                if isinstance(outcome, ActionError):
-                    condition = condition if outcome.same_refusal(condition) else outcome
-                elif outcome:
-                    condition = None
-                    parked = isinstance(action, Park)
-        if not asked_nomad:
-            condition = None  # nothing asked of Nomad, nothing refused
-        if condition is None:
-            self.refusal_warnings.clear(d.model)
-        if parked:
-            return d  # Park wrote the state itself, with no refusal
-        state = write.state if write is not None else d.state
-        if condition != state.last_action_error:
-            state = state.model_copy(update={"last_action_error": condition})
-        elif write is None:
-            return d
-        if not await self._write_state(d.model, state, view.state_index):
-            return d
-        health, output = model_health(d.model, state, d.desired, d.ready, d.starting)
-        return replace(d, state=state, health=health, health_output=output)
-
-    async def _apply(self, model: Model, action: Action) -> ActionError | bool:
-        """True when it was done; an ActionError when Nomad refused for good; False when the
-        call failed in a way that says nothing about the model (the next pass retries)."""
-        try:
-            async for attempt in AsyncRetrying(
-                stop=stop_after_attempt(3),
-                wait=wait_random_exponential(multiplier=0.2, max=2.0),
-                retry=retry_if_exception_type((NomadUnavailable, ConsulUnavailable)),
-                reraise=True,
-            ):
-                with attempt:
-                    await self._apply_once(model, action)
-        except NomadError as exc:
-            kind = {RegisterJob: "register", Scale: "scale", Park: "park"}.get(type(action), "")
-            if isinstance(exc, NomadUnavailable) or exc.status in _TRANSIENT_NOMAD_STATUS or not kind:
-                log.warning("event=action_failed model=%s action=%s error=%r", model.name, kind, str(exc))
-                return False
-            # Nomad's own words, without our "nomad POST /v1/...: HTTP 400:" in front.
-            said = str(exc).split(f"HTTP {exc.status}: ", 1)[-1]
-            refusal = ActionError(action=kind, status=exc.status, message=said, since=self.clock())
-            if self.refusal_warnings.should_log(model.name, f"{kind} {exc.status} {exc}"):
-                log.warning(
-                    "event=action_refused model=%s action=%s status=%d error=%r",
-                    model.name,
-                    kind,
-                    exc.status,
-                    str(exc),
-                )
-            return refusal
-        except ConsulError as exc:
-            # Our own call failed: nothing is concluded about the model; the next pass retries.
-            log.warning(
-                "event=action_failed model=%s action=%s error=%r", model.name, type(action).__name__, str(exc)
-            )
-            return False
-        return True
-
-    async def _apply_once(self, model: Model, action: Action) -> None:
-        if isinstance(action, RegisterJob):
-            job = render_job(model)
-            set_replica_count(job, action.count)
-            pin_to_fabric(
-                job, model, self.nodes.snapshot.data if self.nodes.snapshot else (), self._live_allocs()
-            )
-            self.leadership.check_lease(f"registering {model.job_id}")
-            await asyncio.to_thread(self.nomad.register_job, job)
-            log.info("event=job_registered model=%s job=%s count=%d", model.name, model.job_id, action.count)
-        elif isinstance(action, Scale):
-            self.leadership.check_lease(f"scaling {action.job_id}")
-            await asyncio.to_thread(
-                scale_replica, self.nomad, action.job_id, action.group, action.count, action.message, model
-            )
-            log.info("event=scaled model=%s count=%d message=%r", model.name, action.count, action.message)
-        elif isinstance(action, Park):
-            await self._park(model, action)
-        elif isinstance(action, WriteState):
-            await self._write_state(model.name, action.state, action.cas)
-
-    def _live_allocs(self) -> tuple[dict[str, Any], ...]:
-        return self.allocs.snapshot.data if self.allocs.snapshot else ()
-
-    async def _park(self, model: Model, action: Park) -> None:
-        # Read before anything is written (the pass already did; this is its cached answer), so
-        # the first parked state anyone sees names the engine's own error.
-        error = await self.engine_errors.read(action)
-        message = (
-            f"llmgw: parked {model.name} after {action.failures} consecutive start failures: {error}; "
-            f"fix the source or profile, or run 'llmgw ctl retry {model.name}'"
-        )
-        # Stop it first: a replica placed while we write state would be a sixth start.
-        self.leadership.check_lease(f"parking {action.job_id}")
-        await asyncio.to_thread(scale_replica, self.nomad, action.job_id, action.group, 0, message, model)
-        state = action.state.model_copy(update={"last_error": error})
-        await self._write_state(model.name, state, action.cas)
-        log.error(
-            "event=parked model=%s failures=%d last_error=%r",
-            model.name,
-            action.failures,
-            error,
-        )
-
-    async def _write_state(self, model: str, state: ModelState, cas: int) -> bool:
-        session = self.leadership.session
-        if not session or not self.leadership.is_leader:
-            return False
-        key = state_key(model)
-        result = await self.consul.fenced_put(
-            key, state.touched().to_kv(), cas=cas, session=session, lock_key=LEADER_KEY
-        )
-        if result.ok:
-            # Remember it until the KV snapshot catches up, so the next pass does not redo it.
-            self._written[model] = (result.indexes.get(key, cas + 1), state)
-            return True
-        if result.failed_session_check():
-            log.warning("event=fenced_write_refused model=%s reason=%r", model, result.errors)
-            # Stop acting now (and count the loss); the election loop catches up with a new
-            # session. The old one is destroyed, not left to hold anything until its TTL.
-            self.leadership.step_down("a fenced write was refused: the lock is lost")
-        else:
-            log.info("event=state_conflict model=%s key=%s", model, key)
-        return False
-
     # Admin operations
 
     async def retry(self, model: str) -> ModelState:
@@ -690,7 +536,7 @@ class Watcher:
             raise UnknownModel(model)
         view = views[model]
         state = retried(view)
-        if not await self._write_state(model, state, view.state_index):
+        if not await self.states.write(model, state, view.state_index):
             raise ConsulUnavailable(f"could not write {state_key(model)}; try again")
         log.info("event=retried model=%s", model)
         self.wake()
