@@ -1,15 +1,25 @@
 """The engine's own words for a failed start: the telling line of its stderr, read through
-Nomad's logs API once per failed start, so a parked model names why it died."""
+Nomad's logs API once per failed start, so a parked model names why it died, and a decision
+given the most telling last error it can have."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 from collections.abc import Iterable
+from dataclasses import replace
 
 from nomad_driver.nomad import Nomad, NomadError
 from nomad_driver.watcher import parking
-from nomad_driver.watcher.reconcile import Park
+from nomad_driver.watcher.reconcile import (
+    Action,
+    Decision,
+    ModelView,
+    Park,
+    WriteState,
+    model_health,
+    same_state,
+)
 
 log = logging.getLogger("llmgw.watcher")
 
@@ -66,3 +76,39 @@ class EngineErrors:
         error = line or park.event_error or "no error recorded"
         self._read[key] = error
         return error
+
+    async def telling(self, d: Decision, view: ModelView) -> Decision:
+        """The decision with the most telling last error it can have.
+
+        A model about to be parked carries the engine's own words (its stderr) from the first
+        moment anything shows it parked: the admin API, the metrics, the Consul UI and the state
+        in KV, on every watcher. And a telling error already stored is never replaced by a less
+        telling one ("Exit Code: 1") for the same run of failures.
+        """
+        state = d.state
+        stored = view.state
+        park = next((a for a in d.actions if isinstance(a, Park)), None)
+        if park is not None:
+            state = state.model_copy(update={"last_error": await self.read(park)})
+        elif (
+            stored is not None
+            and state.last_error != stored.last_error
+            and parking.telling_line(stored.last_error)
+            and not parking.telling_line(state.last_error)
+            and state.consecutive_failures >= stored.consecutive_failures > 0
+        ):
+            state = state.model_copy(update={"last_error": stored.last_error})
+        else:
+            return d
+        health, output = model_health(d.model, state, d.desired, d.ready, d.starting)
+        actions: list[Action] = []
+        for a in d.actions:
+            if isinstance(a, Park):
+                a = replace(a, state=state)
+            elif isinstance(a, WriteState):
+                unchanged = stored is not None and not view.state_problem and same_state(state, stored)
+                if unchanged:
+                    continue
+                a = replace(a, state=state)
+            actions.append(a)
+        return replace(d, state=state, health=health, health_output=output, actions=tuple(actions))

@@ -14,7 +14,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from nomad_driver.consul import Consul, ConsulError, ConsulUnavailable, KVEntry
@@ -25,11 +25,9 @@ from nomad_driver.spec import Model, SpecError, parse_models
 from nomad_driver.state import (
     ACTIVITY_PREFIX,
     CONFIG_MODELS_KEY,
-    INFLIGHT_PREFIX,
     MalformedState,
     ModelState,
     parse_activity,
-    parse_inflight,
     parse_state,
     state_key,
 )
@@ -38,19 +36,16 @@ from nomad_driver.watcher.acting import Actor
 from nomad_driver.watcher.engine_errors import EngineErrors
 from nomad_driver.watcher.fenced import FencedStates
 from nomad_driver.watcher.health import Entry, HealthEntries
+from nomad_driver.watcher.in_flight import INFLIGHT_FORGET_AFTER_S, forget_gone_routers, requests_in_flight
 from nomad_driver.watcher.leader import LeaderInfo, Leadership, LeaseLost
 from nomad_driver.watcher.reconcile import (
     DEFAULT_MAX_START_FAILURES,
-    Action,
     Decision,
     ModelView,
     Park,
-    WriteState,
     job_group,
-    model_health,
     reconcile,
     retried,
-    same_state,
 )
 from nomad_driver.watcher.replicas import entry_alloc_id, entry_model, list_replicas, passing
 from nomad_driver.watcher.watch import (
@@ -65,10 +60,6 @@ from nomad_driver.watcher.watch import (
 )
 
 log = logging.getLogger("llmgw.watcher")
-
-# A router's in-flight key that has not been refreshed for this long belongs to a router that is
-# gone; the leader deletes it.
-INFLIGHT_FORGET_AFTER_S = 3600.0
 
 
 class NotLeader(Exception):
@@ -321,7 +312,7 @@ class Watcher:
                     passing_starts.add(start)
         healthy = frozenset(passing_starts)
 
-        in_flight, busy, grace = self._in_flight(kv, now)
+        in_flight, busy, grace = requests_in_flight(kv, now, self.config.activity_interval_s)
         views: dict[str, ModelView] = {}
         for name, model in self.models.items():
             job = jobs.get(model.job_id)
@@ -353,45 +344,11 @@ class Watcher:
         return views
 
     async def _forget_gone_routers(self) -> None:
-        """Delete in-flight keys of routers gone for an hour (each router restart makes a new
-        key); check-and-set, so a router that came back and wrote meanwhile keeps its key."""
         now = self.clock()
         if now - self._routers_checked_at < INFLIGHT_FORGET_AFTER_S / 60:
             return
         self._routers_checked_at = now
-        kv = self.kv.snapshot.data if self.kv.snapshot else {}
-        for key, entry in kv.items():
-            if not key.startswith(INFLIGHT_PREFIX):
-                continue
-            router = parse_inflight(entry.value)
-            if router is not None and router.at > now - INFLIGHT_FORGET_AFTER_S:
-                continue
-            try:
-                await self.consul.kv_delete(key, cas=entry.modify_index)
-            except ConsulError as exc:
-                log.warning("event=inflight_cleanup_failed key=%s error=%r", key, str(exc))
-                return
-
-    def _in_flight(
-        self, kv: Mapping[str, KVEntry], now: float
-    ) -> tuple[dict[str, int], dict[str, set[str]], float]:
-        """Requests in flight per model summed over the routers that still refresh their key,
-        the replicas those requests are on, and the grace for the idle clock: the longest
-        publishing interval of any router (the routers' default when none publishes)."""
-        requests: dict[str, int] = {}
-        replicas: dict[str, set[str]] = {}
-        grace = self.config.activity_interval_s
-        for key, entry in kv.items():
-            if not key.startswith(INFLIGHT_PREFIX):
-                continue
-            router = parse_inflight(entry.value)
-            if router is None or not router.live(now):
-                continue
-            grace = max(grace, router.interval_s)
-            for model, n in router.requests.items():
-                requests[model] = requests.get(model, 0) + n
-                replicas.setdefault(model, set()).update(router.replicas.get(model, ()))
-        return requests, replicas, grace
+        await forget_gone_routers(self.consul, self.kv.snapshot.data if self.kv.snapshot else {}, now)
 
     def _note_starts(self) -> None:
         """Remember when each running start first showed in Nomad's allocations."""
@@ -436,7 +393,7 @@ class Watcher:
             if isinstance(a, Park)
         }
         for name, d in decisions.items():
-            decisions[name] = await self._telling(d, views[name])
+            decisions[name] = await self.engine_errors.telling(d, views[name])
         self.engine_errors.keep_only(parks)
         self.views, self.decisions = views, decisions
         self.replicas = self._build_replicas(views)
@@ -466,42 +423,6 @@ class Watcher:
             except (ConsulError, TimeoutError) as exc:
                 self.health.forget()
                 log.warning("event=health_sync_failed error=%r", str(exc) or type(exc).__name__)
-
-    async def _telling(self, d: Decision, view: ModelView) -> Decision:
-        """The decision with the most telling last error it can have.
-
-        A model about to be parked carries the engine's own words (its stderr) from the first
-        moment anything shows it parked: the admin API, the metrics, the Consul UI and the state
-        in KV, on every watcher. And a telling error already stored is never replaced by a less
-        telling one ("Exit Code: 1") for the same run of failures.
-        """
-        state = d.state
-        stored = view.state
-        park = next((a for a in d.actions if isinstance(a, Park)), None)
-        if park is not None:
-            state = state.model_copy(update={"last_error": await self.engine_errors.read(park)})
-        elif (
-            stored is not None
-            and state.last_error != stored.last_error
-            and parking.telling_line(stored.last_error)
-            and not parking.telling_line(state.last_error)
-            and state.consecutive_failures >= stored.consecutive_failures > 0
-        ):
-            state = state.model_copy(update={"last_error": stored.last_error})
-        else:
-            return d
-        health, output = model_health(d.model, state, d.desired, d.ready, d.starting)
-        actions: list[Action] = []
-        for a in d.actions:
-            if isinstance(a, Park):
-                a = replace(a, state=state)
-            elif isinstance(a, WriteState):
-                unchanged = stored is not None and not view.state_problem and same_state(state, stored)
-                if unchanged:
-                    continue
-                a = replace(a, state=state)
-            actions.append(a)
-        return replace(d, state=state, health=health, health_output=output, actions=tuple(actions))
 
     def _build_replicas(self, views: Mapping[str, ModelView]) -> list[dict[str, Any]]:
         replicas, self._replica_since = list_replicas(
