@@ -74,7 +74,7 @@ def run(args: argparse.Namespace, agent: ConsulAgent, procs: Procs) -> int:
     env = {"CONSUL_HTTP_ADDR": agent.url}
     targets: dict[str, str] = {}
     for name, command in (
-        ("guarded", ["-c", "from nomad_driver.cli import main; main()", "router", "--no-activation"]),
+        ("guarded", ["-c", "from nomad_driver.cli.app import main; main()", "router", "--no-activation"]),
         ("plain", ["-c", UNGUARDED]),
     ):
         port = free_port()

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from prometheus_client import generate_latest
 
-from nomad_driver.node_agent import NodeAgent, NodeAgentConfig, build_meta
+from nomad_driver.node_agent.agent import NodeAgent, NodeAgentConfig, build_meta
 
 
 def main() -> int:

@@ -644,7 +644,7 @@ def run(args: argparse.Namespace, agent: ConsulAgent, procs: Procs, tmp: Path) -
         [
             sys.executable,
             "-c",
-            "from nomad_driver.cli import main; main()",
+            "from nomad_driver.cli.app import main; main()",
             "router",
             "--no-activation",
             "--listen",
@@ -750,7 +750,7 @@ def start_activation(procs: Procs, tmp: Path, consul: str) -> str:
         [
             sys.executable,
             "-c",
-            "from nomad_driver.cli import main; main()",
+            "from nomad_driver.cli.app import main; main()",
             "router",
             "--listen",
             f"127.0.0.1:{router_port}",

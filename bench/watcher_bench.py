@@ -56,8 +56,8 @@ from nomad_driver.nomad import Nomad
 from nomad_driver.render import render_job
 from nomad_driver.spec import parse_models
 from nomad_driver.state import CONFIG_MODELS_KEY, ModelState, activity_key, state_key
-from nomad_driver.watch import Snapshot
-from nomad_driver.watcher import Watcher, WatcherConfig
+from nomad_driver.watcher.loop import Watcher, WatcherConfig
+from nomad_driver.watcher.watch import Snapshot
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))

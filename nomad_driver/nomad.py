@@ -119,6 +119,15 @@ class Nomad:
         except ValueError as exc:
             raise NomadUnavailable(f"nomad {what}: answer is not JSON: {resp.text[:200]!r}") from exc
 
+    def request_json(
+        self, endpoint: str, *path: str, what: str = "", method: str = "get", body: Any = None
+    ) -> Any:
+        """One call and its JSON answer, unread, for a call only one caller makes (the operator's
+        plan, the watcher's node reads) and whose answer that caller checks itself. `what` names
+        the call in errors."""
+        resp = self._request(endpoint, *path, method=method, body=body)
+        return self._json(resp, what or "/".join((endpoint, *path)))
+
     def blocking_list(
         self, collection: str, *, index: int = 0, wait_s: float = 60.0, params: dict[str, Any] | None = None
     ) -> tuple[int, list[dict[str, Any]]]:

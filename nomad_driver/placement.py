@@ -15,6 +15,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from nomad_driver.fields import as_int
+from nomad_driver.node_meta import FABRIC_KEY, interpolated, models_cached
 from nomad_driver.summary import fleet_summary
 
 # Evaluations that say nothing about placement yet (pending) or were superseded (canceled).
@@ -99,13 +101,13 @@ def _eval_order(e: Mapping[str, Any]) -> tuple[int, int]:
 
 
 def _describe_metric(m: dict[str, Any]) -> str:
-    evaluated = _int(m.get("NodesEvaluated"))
-    filtered = _int(m.get("NodesFiltered"))
-    exhausted = _int(m.get("NodesExhausted"))
+    evaluated = as_int(m.get("NodesEvaluated"))
+    filtered = as_int(m.get("NodesFiltered"))
+    exhausted = as_int(m.get("NodesExhausted"))
     parts: list[str] = []
     if evaluated == 0 and filtered == 0 and exhausted == 0:
         available = m.get("NodesAvailable")
-        if isinstance(available, dict) and available and all(_int(v) == 0 for v in available.values()):
+        if isinstance(available, dict) and available and all(as_int(v) == 0 for v in available.values()):
             dcs = ", ".join(sorted(str(dc) for dc in available))
             return f"no nodes are available in datacenter {dcs}"
         pool = m.get("NodePool")
@@ -130,7 +132,7 @@ def _reasons(counts: Any, prefix: str = "") -> str:
     """`missing devices` alone when there is one reason; counted when several share the nodes."""
     if not isinstance(counts, dict) or not counts:
         return ""
-    items = sorted(((str(k), _int(v)) for k, v in counts.items()), key=lambda kv: (-kv[1], kv[0]))
+    items = sorted(((str(k), as_int(v)) for k, v in counts.items()), key=lambda kv: (-kv[1], kv[0]))
     if len(items) == 1:
         return f"{prefix}{items[0][0]}"
     return ", ".join(f"{n} {prefix}{k}" for k, n in items)
@@ -138,13 +140,6 @@ def _reasons(counts: Any, prefix: str = "") -> str:
 
 def _nodes(n: int) -> str:
     return f"{n} node{'s' if n != 1 else ''}"
-
-
-def _int(v: Any) -> int:
-    try:
-        return int(v or 0)
-    except (TypeError, ValueError):
-        return 0
 
 
 def _describe_request(job: dict[str, Any] | None, group: str) -> str:
@@ -172,7 +167,7 @@ def _describe_request(job: dict[str, Any] | None, group: str) -> str:
 
 
 def _describe_device(dev: dict[str, Any]) -> str:
-    count = _int(dev.get("Count")) or 1
+    count = as_int(dev.get("Count")) or 1
     text = f"{count} x {dev.get('Name')}"
     conds = []
     for c in dev.get("Constraints") or []:
@@ -222,9 +217,6 @@ class PlacementWarnings:
 # constraint keeps the shards of one replica inside one fabric (nodes on different fabrics are
 # not connected to one another). The watcher picks the fabric and pins the replica to it.
 
-FABRIC_META = "llmgw_fabric"
-FABRIC_TARGET = "${meta.llmgw_fabric}"
-
 
 @dataclass(frozen=True)
 class FabricRoom:
@@ -245,13 +237,12 @@ def fabric_rooms(nodes: list[dict[str, Any]], allocs: list[dict[str, Any]], mode
         meta = node.get("Meta") if isinstance(node, dict) else None
         if not isinstance(meta, dict) or node.get("Status") != "ready":
             continue
-        cached = {m.strip() for m in str(meta.get("llmgw_models_cached") or "").split(",")}
-        if model in cached and meta.get(FABRIC_META):
-            with_weights.add(str(meta[FABRIC_META]))
+        if model in models_cached(meta) and meta.get(FABRIC_KEY):
+            with_weights.add(str(meta[FABRIC_KEY]))
     return [
         FabricRoom(
             fabric=str(f["fabric"]),
-            largest_free_block=_int(f.get("largest_free_block")),
+            largest_free_block=as_int(f.get("largest_free_block")),
             has_weights=str(f["fabric"]) in with_weights,
         )
         for f in fabrics
@@ -275,7 +266,7 @@ def choose_fabric(rooms: Sequence[FabricRoom], nodes: int, tried: Sequence[str] 
 
 def fabric_constraint(fabric: str) -> dict[str, Any]:
     """The job constraint that keeps every shard of a replica in `fabric`."""
-    return {"LTarget": FABRIC_TARGET, "RTarget": fabric, "Operand": "="}
+    return {"LTarget": interpolated(FABRIC_KEY), "RTarget": fabric, "Operand": "="}
 
 
 def no_fabric_reason(rooms: Sequence[FabricRoom], nodes: int) -> str:
@@ -283,6 +274,6 @@ def no_fabric_reason(rooms: Sequence[FabricRoom], nodes: int) -> str:
     `needs 3 entirely free nodes in one fabric; largest free blocks: ib-a 2, ib-b 2`."""
     head = f"needs {nodes} entirely free nodes in one fabric"
     if not rooms:
-        return f"{head}; no node reports a fabric ({FABRIC_META})"
+        return f"{head}; no node reports a fabric ({FABRIC_KEY})"
     blocks = ", ".join(f"{r.fabric} {r.largest_free_block}" for r in sorted(rooms, key=lambda r: r.fabric))
     return f"{head}; largest free blocks: {blocks}"

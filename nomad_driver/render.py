@@ -16,6 +16,7 @@ from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
 from nomad_driver.hcl import job_to_hcl
+from nomad_driver.node_meta import ENGINES_DIR_KEY, engine_meta_key, interpolated
 from nomad_driver.placement import fabric_constraint
 from nomad_driver.spec import Model, Profile
 
@@ -45,11 +46,6 @@ READINESS_PATHS = {
     # answer from /v1/models means ready.
     "llama-cpp-python": "/v1/models",
 }
-
-
-def engine_meta_key(engine: str) -> str:
-    """The node meta key listing installed versions of `engine`: `llmgw_engine_llama_cpp`."""
-    return "llmgw_engine_" + re.sub(r"[^A-Za-z0-9]", "_", engine)
 
 
 def readiness_path(engine: str) -> str:
@@ -100,7 +96,7 @@ def weights_for(source: str) -> Weights:
 def _engine_task_config(model: Model, weights: Weights) -> tuple[str, dict[str, Any], dict[str, str]]:
     """The driver, its config and the task environment for the model's engine."""
     p = model.profile
-    engines = "${meta.llmgw_engines_dir}"
+    engines = interpolated(ENGINES_DIR_KEY)
     listen = ["--host", "${NOMAD_IP_http}", "--port", "${NOMAD_PORT_http}"]
     env: dict[str, str] = {}
     config: dict[str, Any]
@@ -244,7 +240,7 @@ def render_job(model: Model, *, namespace: str | None = None) -> dict[str, Any]:
         # filtered with this constraint as the reason, which placement summaries show as is.
         "Constraints": [
             {
-                "LTarget": f"${{meta.{engine_meta_key(p.engine)}}}",
+                "LTarget": interpolated(engine_meta_key(p.engine)),
                 "RTarget": p.engine_version,
                 "Operand": "set_contains",
             }
@@ -395,7 +391,7 @@ def _wait_for_shards(workers: int, var: str, command: str) -> list[str]:
 def _replica_engine(model: Model, job_id: str, weights: Weights) -> tuple[dict[str, Any], dict[str, Any]]:
     """(leader task, shard task) for the model's engine."""
     p = model.profile
-    engines = "${meta.llmgw_engines_dir}"
+    engines = interpolated(ENGINES_DIR_KEY)
     workers = p.nodes - 1
     env: dict[str, str] = {}
     if p.gpus > 0 and p.engine != "vllm":

@@ -12,6 +12,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from nomad_driver.fields import as_int
+from nomad_driver.node_meta import FABRIC_KEY, GPU_CLASS_KEY, models_cached
+
 # How long a ready replica must go unasked-for to be named idle. Minutes rather than seconds,
 # because a replica that flaps in and out of this list is noise, and because unloading one
 # throws away its warm KV cache.
@@ -31,13 +34,6 @@ def _as_dict(item: Any) -> Mapping[str, Any]:
         if isinstance(result, Mapping):
             return result
     return {}
-
-
-def _int(value: Any) -> int:
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        return 0
 
 
 def _float(value: Any) -> float | None:
@@ -80,7 +76,7 @@ def _alloc_device_ids(alloc: Mapping[str, Any]) -> set[str]:
     return ids
 
 
-def _held_devices(allocs: Iterable[Mapping[str, Any]]) -> dict[str, set[str]]:
+def held_devices(allocs: Iterable[Mapping[str, Any]]) -> dict[str, set[str]]:
     """Device IDs held by live allocations, per node ID."""
     held: dict[str, set[str]] = {}
     for alloc in allocs:
@@ -95,12 +91,7 @@ def _gpu_groups(node: Mapping[str, Any]) -> list[Mapping[str, Any]]:
     return [_dict(d) for d in devices if _dict(d).get("Type") == "gpu"]
 
 
-def _cached_models(node: Mapping[str, Any]) -> set[str]:
-    raw = _dict(node.get("Meta")).get("llmgw_models_cached") or ""
-    return {m.strip() for m in str(raw).split(",") if m.strip()}
-
-
-def _gpu_use(
+def gpu_use(
     nodes: list[Mapping[str, Any]], held: dict[str, set[str]]
 ) -> tuple[list[dict[str, Any]], set[str]]:
     """GPUs per class, and the IDs of nodes whose every GPU is free."""
@@ -109,7 +100,7 @@ def _gpu_use(
     for node in nodes:
         node_id = str(node.get("ID", ""))
         state = node_state(node)
-        meta_class = _dict(node.get("Meta")).get("llmgw_gpu_class")
+        meta_class = _dict(node.get("Meta")).get(GPU_CLASS_KEY)
         node_total = node_free = 0
         for group in _gpu_groups(node):
             name = str(meta_class or group.get("Name") or "unknown")
@@ -145,7 +136,7 @@ def _fabrics(nodes: list[Mapping[str, Any]], entirely_free: set[str]) -> list[di
     fabrics: dict[str, dict[str, Any]] = {}
     present: dict[str, set[str]] = {}
     for node in nodes:
-        fabric = _dict(node.get("Meta")).get("llmgw_fabric")
+        fabric = _dict(node.get("Meta")).get(FABRIC_KEY)
         if not fabric:
             continue
         use = fabrics.setdefault(
@@ -160,7 +151,7 @@ def _fabrics(nodes: list[Mapping[str, Any]], entirely_free: set[str]) -> list[di
         )
         use["nodes"] += 1
         # A down node's disk serves nobody, so its cached weights are not counted as present.
-        cached = _cached_models(node) if node_state(node) != "down" else set()
+        cached = models_cached(_dict(node.get("Meta"))) if node_state(node) != "down" else set()
         if cached:
             use["nodes_with_weights"] += 1
             present.setdefault(fabric, set()).update(cached)
@@ -191,7 +182,7 @@ def _replicas(
         # neither time is left out rather than guessed at.
         since = _float(replica.get("last_request_at"))
         if since is None and alloc.get("CreateTime"):
-            since = _int(alloc.get("CreateTime")) / 1e9
+            since = as_int(alloc.get("CreateTime")) / 1e9
         if since is None or now - since < IDLE_AFTER_S:
             continue
         idle.append(
@@ -214,7 +205,7 @@ def _models(models: Mapping[str, Any]) -> dict[str, Any]:
     parked: list[dict[str, Any]] = []
     for name in sorted(models):
         m = _as_dict(models[name])
-        desired, ready = _int(m.get("desired")), _int(m.get("ready"))
+        desired, ready = as_int(m.get("desired")), as_int(m.get("ready"))
         is_parked = m.get("parked") is True
         totals["total"] += 1
         # Against what it should have now, not its minimum: an on-demand model's minimum is 0,
@@ -228,7 +219,7 @@ def _models(models: Mapping[str, Any]) -> dict[str, Any]:
             parked.append(
                 {
                     "model": name,
-                    "consecutive_failures": _int(m.get("consecutive_failures")),
+                    "consecutive_failures": as_int(m.get("consecutive_failures")),
                     "last_error": str(m.get("last_error") or ""),
                 }
             )
@@ -257,7 +248,7 @@ def fleet_summary(
     for node in node_list:
         node_totals[node_state(node)] += 1
 
-    gpus, entirely_free = _gpu_use(node_list, _held_devices(alloc_list))
+    gpus, entirely_free = gpu_use(node_list, held_devices(alloc_list))
     replica_totals, idle = _replicas(replica_list, alloc_list, now)
     return {
         "generated_at": now,

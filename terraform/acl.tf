@@ -1,5 +1,5 @@
 # Least-privilege ACLs, one policy and one token per component and system. What each rule is for
-# is listed call by call in nomad_driver/acl.py, and tests/test_terraform.py checks these rules
+# is listed call by call in tests/acl_table.py, and tests/test_terraform.py checks these rules
 # against that table: a call the code makes that no rule allows, or a rule no call needs, fails it.
 # Keep the rules literal (no interpolation but the models' namespace) so the test can read them.
 

@@ -17,13 +17,13 @@ from typing import Any
 import httpx
 import pytest
 
-from nomad_driver.admin import create_app
 from nomad_driver.consul import Consul
 from nomad_driver.nomad import Nomad
 from nomad_driver.spec import Model, parse_models
 from nomad_driver.state import CONFIG_MODELS_KEY
 from nomad_driver.summary import IDLE_AFTER_S
-from nomad_driver.watcher import Watcher, WatcherConfig
+from nomad_driver.watcher.admin import create_app
+from nomad_driver.watcher.loop import Watcher, WatcherConfig
 from tests.test_watcher_nomad import mock_job, models_text, until
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]

@@ -24,9 +24,9 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nomad_driver.reconcile import ModelView, Park, WriteState, reconcile, retried
 from nomad_driver.spec import Model, parse_models
 from nomad_driver.state import ModelState, parse_state
+from nomad_driver.watcher.reconcile import ModelView, Park, WriteState, reconcile, retried
 from tests.watcher_support import BARE_CPU_PROFILE
 
 BASE = parse_models(

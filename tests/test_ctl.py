@@ -13,7 +13,7 @@ import pytest
 from aiohttp import web
 from typer.testing import CliRunner, Result
 
-from nomad_driver.cli import app
+from nomad_driver.cli.app import app
 from nomad_driver.summary import fleet_summary
 
 NOW = 1_800_000_000.0

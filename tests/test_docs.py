@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from nomad_driver import reference
+from nomad_driver.cli import reference
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC_FILES = sorted([*(ROOT / "docs").rglob("*.md"), ROOT / "README.md", ROOT / "terraform" / "README.md"])
@@ -24,7 +24,9 @@ COMMAND_RE = re.compile(r"(?<![\w/.-])llmgw((?: [a-z][a-z-]*)+)([^`|;#&\n]*)")
 
 def test_the_reference_is_fresh() -> None:
     committed = (ROOT / "docs" / "reference.md").read_text(encoding="utf-8")
-    assert committed == reference.render(), "regenerate: python -m nomad_driver.reference > docs/reference.md"
+    assert committed == reference.render(), (
+        "regenerate: python -m nomad_driver.cli.reference > docs/reference.md"
+    )
 
 
 def test_every_admin_route_is_described_and_in_the_admin_api_page() -> None:
@@ -65,7 +67,7 @@ def other_tools_flags() -> set[str]:
             found |= set(re.findall(r"add_argument\(\s*\"(--[a-z0-9-]+)\"", text))
             # Flags added in a loop over (flag, default, help) tuples (the stand-in's GC settings).
             found |= set(re.findall(r"\(\s*\"(--[a-z0-9-]+)\",", text))
-    for path in (ROOT / "nomad_driver").glob("*.py"):
+    for path in (ROOT / "nomad_driver").rglob("*.py"):
         found |= set(re.findall(r"\"(--[a-z][a-z0-9_-]*)\"", path.read_text(encoding="utf-8")))
     return found
 

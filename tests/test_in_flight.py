@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 
 from nomad_driver.consul import Consul
-from nomad_driver.nomad import Nomad
-from nomad_driver.reconcile import ModelView, Scale, desired_replicas, reconcile
 from nomad_driver.spec import parse_models
 from nomad_driver.state import INFLIGHT_PREFIX, activity_key, inflight_key, parse_activity, parse_inflight
-from nomad_driver.watcher import Watcher, WatcherConfig
+from nomad_driver.watcher.in_flight import requests_in_flight
+from nomad_driver.watcher.loop import WatcherConfig
+from nomad_driver.watcher.reconcile import ModelView, Scale, desired_replicas, reconcile
 from router.activity import WAITING, ActivityRecorder
 from tests.test_reconcile import job
 from tests.watcher_support import BARE_CPU_PROFILE
@@ -121,9 +121,10 @@ async def test_routers_publish_while_busy_and_the_watcher_sums_live_ones(consul_
     }
     await consul.kv_put(inflight_key("router-dead"), json.dumps(stale))
 
-    watcher = Watcher(consul, Nomad("http://127.0.0.1:9"), WatcherConfig(), ident="sum")
     _, entries = await consul.kv_get(INFLIGHT_PREFIX, recurse=True)
-    requests, replicas, grace = watcher._in_flight({e.key: e for e in entries}, time.time())
+    requests, replicas, grace = requests_in_flight(
+        {e.key: e for e in entries}, time.time(), WatcherConfig().activity_interval_s
+    )
     assert requests == {"lazy": 3, "other": 2}
     assert replicas == {"lazy": {"replica-1", "replica-2"}, "other": {"replica-9"}}
     assert grace == 5.0

@@ -9,11 +9,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 
 from nomad_driver.consul import Consul, ConsulUnavailable
-from nomad_driver.health import NODE, Entry, HealthEntries
-from nomad_driver.leader import Leadership
 from nomad_driver.nomad import Nomad
 from nomad_driver.state import LEADER_KEY, ModelState, parse_state, state_key
-from nomad_driver.watcher import Watcher, WatcherConfig
+from nomad_driver.watcher.health import NODE, Entry, HealthEntries
+from nomad_driver.watcher.leader import Leadership
+from nomad_driver.watcher.loop import Watcher, WatcherConfig
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -199,7 +199,7 @@ async def test_a_cas_conflict_on_a_model_named_session_leaves_the_leader_leading
         assert not result.ok and "session" in " ".join(result.errors)
         assert not result.failed_session_check()
 
-        assert not await watcher._write_state("session-chat", ModelState(consecutive_failures=1), stale)
+        assert not await watcher.states.write("session-chat", ModelState(consecutive_failures=1), stale)
         assert watcher.leadership.is_leader
         assert watcher.leadership.session == session
         assert watcher.leader_changes == 1  # the acquisition only
@@ -220,7 +220,7 @@ async def test_a_lost_lock_is_told_by_the_session_check_and_the_old_session_is_d
         assert await consul.kv_put(LEADER_KEY, b"", release=old)
         await until(lambda: consul.kv_put(LEADER_KEY, b'{"id": "other"}', acquire=other), 5, "lock for other")
 
-        assert not await watcher._write_state("m1", ModelState(parked=True), 0)
+        assert not await watcher.states.write("m1", ModelState(parked=True), 0)
         assert not watcher.leadership.is_leader
         assert watcher.leadership.session == ""
         await until(lambda: _gone(consul, old), 5, "the abandoned session destroyed")

@@ -15,10 +15,10 @@ from typing import Any
 import httpx
 
 from devstack.fleet import effective_nodes
-from nomad_driver.multinode import pin_to_fabric, set_replica_count
 from nomad_driver.placement import choose_fabric, fabric_rooms, no_fabric_reason
 from nomad_driver.render import render_job
 from nomad_driver.spec import parse_models
+from nomad_driver.watcher.multinode import pin_to_fabric, set_replica_count
 
 FABRICS = Path(__file__).resolve().parents[1] / "devstack" / "nodes" / "fabrics.yaml"
 

@@ -10,11 +10,11 @@ from typing import Any
 
 import httpx
 
-from nomad_driver.multinode import pin_to_fabric, scale_replica, set_replica_count
 from nomad_driver.nomad import Nomad
-from nomad_driver.reconcile import ModelView, Park, reconcile
 from nomad_driver.render import SHARD_GROUP, render_job
 from nomad_driver.spec import parse_models
+from nomad_driver.watcher.multinode import pin_to_fabric, scale_replica, set_replica_count
+from nomad_driver.watcher.reconcile import ModelView, Park, reconcile
 from tests.test_fabric_choice import fleet
 from tests.test_reconcile import crashed, running
 

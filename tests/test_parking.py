@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from nomad_driver.parking import Ledger, count_start_failures, last_error, telling_line
+from nomad_driver.watcher.parking import Ledger, count_start_failures, last_error, telling_line
 
 KEV_STDERR = """\
 llama_model_loader: loaded meta data with 12 key-value pairs and 21 tensors from /tmp/kev.gguf

@@ -15,13 +15,13 @@ from typer.testing import CliRunner
 
 from devstack import demo_models, fleet
 from devstack.nomad.nodes import load_nodes
-from nomad_driver.cli import app
+from nomad_driver.cli.app import app
 from nomad_driver.consul import Consul
 from nomad_driver.nomad import Nomad
 from nomad_driver.placement import latest_placement_failure
 from nomad_driver.spec import parse_models
 from nomad_driver.state import CONFIG_MODELS_KEY
-from nomad_driver.watcher import Watcher, WatcherConfig
+from nomad_driver.watcher.loop import Watcher, WatcherConfig
 from tests.watcher_support import engines_dir, node, until
 
 pytestmark = pytest.mark.timeout(120)

@@ -23,7 +23,7 @@ from typer.testing import CliRunner, Result
 
 from devstack.demo_models import TEMPLATE, effective_models_text
 from devstack.fleet import GPU_POOL, effective_nodes
-from nomad_driver.cli import app
+from nomad_driver.cli.app import app
 from nomad_driver.consul import Consul
 from nomad_driver.nomad import Nomad
 from nomad_driver.state import CONFIG_MODELS_KEY
@@ -165,7 +165,7 @@ def test_json_shape_is_the_documented_one(cluster: StandIn, demo: Path) -> None:
 async def test_a_profile_that_needs_more_gpu_memory_fits_nowhere_before_and_after_apply(
     consul_url: str, start_standin: Callable[..., StandIn], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from nomad_driver.watcher import Watcher, WatcherConfig
+    from nomad_driver.watcher.loop import Watcher, WatcherConfig
 
     standin = start_standin(nodes=demo_fleet(tmp_path), consul=False)
     monkeypatch.setenv("CONSUL_HTTP_ADDR", consul_url)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from nomad_driver.plan import (
+from nomad_driver.cli.plan import (
     FleetPlan,
     ModelPlan,
     candidates,

@@ -5,7 +5,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from nomad_driver.reconcile import (
+from nomad_driver.spec import parse_models
+from nomad_driver.state import ModelState
+from nomad_driver.watcher.reconcile import (
     ModelView,
     Park,
     RegisterJob,
@@ -14,8 +16,6 @@ from nomad_driver.reconcile import (
     reconcile,
     retried,
 )
-from nomad_driver.spec import parse_models
-from nomad_driver.state import ModelState
 from tests.watcher_support import BARE_CPU_PROFILE
 
 MODELS = (

@@ -13,12 +13,12 @@ import hcl2
 import pytest
 
 from nomad_driver.hcl import job_to_hcl
+from nomad_driver.node_meta import engine_meta_key
 from nomad_driver.render import (
     GROUP_NAME,
     RESCHEDULE_POLICY,
     RESTART_POLICY,
     SERVICE_NAME,
-    engine_meta_key,
     render_files,
     render_hcl,
     render_job,

@@ -1,6 +1,6 @@
 """The Terraform module in terraform/: formatted, parseable, pointing at jobspecs that exist with
 the variables they declare, storing the tokens where the jobs' templates look, and granting each
-component exactly the ACLs its calls need (nomad_driver/acl.py), checked both on paper and, for
+component exactly the ACLs its calls need (tests/acl_table.py), checked both on paper and, for
 Consul, against a real Consul with ACLs enforced.
 
 Providers cannot be downloaded here, so `terraform validate` cannot run; these tests cover what
@@ -25,15 +25,15 @@ import pytest
 from hcl2 import SerializationOptions
 
 from devstack.consul_agent import ConsulAgent, ConsulAgentError
-from nomad_driver import acl
 from nomad_driver.spec import load_models
+from tests import acl_table as acl
 
 ROOT = Path(__file__).resolve().parent.parent
 MODULE = ROOT / "terraform"
 EXAMPLE = MODULE / "examples" / "basic"
 HCL = SerializationOptions(strip_string_quotes=True, explicit_blocks=False, with_comments=False)
 
-# Terraform resource name -> the component whose calls nomad_driver/acl.py lists.
+# Terraform resource name -> the component whose calls tests/acl_table.py lists.
 COMPONENT_OF = {"watcher": "watcher", "router": "router", "node_agent": "node-agent", "operator": "operator"}
 JOBSPEC_OF = {
     "watcher": "llmgw-watcher.nomad.hcl",
@@ -296,7 +296,7 @@ def cli_verbs() -> set[str]:
     """Every verb of the `llmgw` CLI as an operator types it (`apply`, `ctl retry`)."""
     import typer.main
 
-    from nomad_driver.cli import app
+    from nomad_driver.cli.app import app
 
     command = typer.main.get_command(app)
     verbs: set[str] = set()
@@ -569,7 +569,7 @@ async def test_apply_stores_definitions_under_the_operator_policy_and_nothing_el
     acl_consul: tuple[str, str],
 ) -> None:
     """`llmgw apply`'s own Consul code, run with a token carrying only the operator policy."""
-    from nomad_driver.apply import store_definitions
+    from nomad_driver.cli.apply import store_definitions
     from nomad_driver.consul import Consul
     from nomad_driver.state import ModelState, state_key
 
@@ -745,7 +745,7 @@ def api_calls_in(path: Path) -> Iterator[tuple[str | None, str, int]]:
             func = node.args[0]
             name = func.attr
             node = ast.Call(func=func, args=node.args[1:], keywords=node.keywords, lineno=node.lineno)
-        if name in ("_request", "blocking_list") or name.endswith("_list_fetch"):
+        if name in ("_request", "request_json", "blocking_list") or name.endswith("_list_fetch"):
             # nomad_list_fetch(nomad, "allocations", wait_s) names the collection it lists.
             args = node.args[1:2] if name.endswith("_list_fetch") else node.args
             url = _pynomad_path(ast.Call(func=func, args=args, keywords=[])) if args else None
@@ -785,19 +785,17 @@ def table_matches(component: acl.Component, method: str | None, pattern: str) ->
 
 
 def test_every_consul_and_nomad_call_in_the_code_is_in_the_acl_table() -> None:
-    """A call added to a client without a line in nomad_driver/acl.py would go out with a token
+    """A call added to a client without a line in tests/acl_table.py would go out with a token
     whose policy never heard of it: the first anyone would know is a 403 in production."""
     found: list[str] = []
     unlisted: list[str] = []
     for path in sorted([*(ROOT / "nomad_driver").rglob("*.py"), *(ROOT / "router").rglob("*.py")]):
-        if path.name == "acl.py":
-            continue
         rel = path.relative_to(ROOT)
         component: acl.Component = (
             "router"
             if rel.parts[0] == "router"
             else "node-agent"
-            if path.name == "node_agent.py"
+            if rel.parts[:2] == ("nomad_driver", "node_agent")
             else "operator"
             if path.name == "plan.py"  # `llmgw plan` and `apply`, with the operator's tokens
             else "watcher"
@@ -807,7 +805,7 @@ def test_every_consul_and_nomad_call_in_the_code_is_in_the_acl_table() -> None:
             if not table_matches(component, method, pattern):
                 unlisted.append(f"{rel}:{line} {method or '?'} {pattern} (the {component})")
     assert len(found) >= 10, f"the scan found almost no calls ({found}); it no longer understands the clients"
-    assert not unlisted, "calls missing from nomad_driver/acl.py:\n" + "\n".join(unlisted)
+    assert not unlisted, "calls missing from tests/acl_table.py:\n" + "\n".join(unlisted)
 
 
 # --- llmgw's own clients under the module's tokens -----------------------------------------------
@@ -819,8 +817,8 @@ async def test_the_watchers_consul_work_succeeds_under_the_watcher_policy(
     """The watcher's real Consul client and health entries, not hand-made requests: the lock, a
     fenced state write and the model health entries, all with the watcher's token."""
     from nomad_driver.consul import Consul
-    from nomad_driver.health import Entry, HealthEntries
     from nomad_driver.state import KV_PREFIX, LEADER_KEY, ModelState, state_key
+    from nomad_driver.watcher.health import Entry, HealthEntries
 
     url, master = acl_consul
     consul = Consul(url, token=consul_token_for(url, master, "watcher"))

@@ -14,13 +14,13 @@ import pytest
 from typer.testing import CliRunner
 
 from devstack.ports import free_port
-from nomad_driver.admin import create_app
-from nomad_driver.apply import apply_file, store_definitions
-from nomad_driver.cli import app
+from nomad_driver.cli.app import app
+from nomad_driver.cli.apply import apply_file, store_definitions
 from nomad_driver.consul import Consul
 from nomad_driver.nomad import Nomad
 from nomad_driver.state import CONFIG_MODELS_KEY, ModelState, state_key
-from nomad_driver.watcher import Watcher, WatcherConfig
+from nomad_driver.watcher.admin import create_app
+from nomad_driver.watcher.loop import Watcher, WatcherConfig
 
 pytestmark = pytest.mark.timeout(120)
 

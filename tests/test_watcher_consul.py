@@ -10,12 +10,12 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
-from nomad_driver.admin import create_app
 from nomad_driver.consul import Consul
 from nomad_driver.nomad import Nomad
 from nomad_driver.spec import parse_models
 from nomad_driver.state import CONFIG_MODELS_KEY, ModelState, parse_state, state_key
-from nomad_driver.watcher import Watcher, WatcherConfig
+from nomad_driver.watcher.admin import create_app
+from nomad_driver.watcher.loop import Watcher, WatcherConfig
 from tests.watcher_support import BARE_CPU_PROFILE, until
 
 pytestmark = pytest.mark.timeout(120)

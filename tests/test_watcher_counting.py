@@ -25,14 +25,14 @@ import pytest
 import requests
 from typer.testing import CliRunner
 
-from nomad_driver.admin import model_status
-from nomad_driver.cli import app
+from nomad_driver.cli.app import app
 from nomad_driver.consul import Consul
 from nomad_driver.nomad import Nomad
 from nomad_driver.render import render_job
 from nomad_driver.spec import parse_models
 from nomad_driver.state import CONFIG_MODELS_KEY, ModelState
-from nomad_driver.watcher import Watcher, WatcherConfig
+from nomad_driver.watcher.admin import model_status
+from nomad_driver.watcher.loop import Watcher, WatcherConfig
 from tests.watcher_support import engines_dir, mock_job, models_text, node, read_state, until
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]

@@ -20,7 +20,7 @@ from nomad_driver.consul import Consul
 from nomad_driver.nomad import Nomad, NomadError
 from nomad_driver.spec import parse_models
 from nomad_driver.state import activity_key
-from nomad_driver.watcher import Watcher
+from nomad_driver.watcher.loop import Watcher
 from router.activation import NomadClient
 from router.config import NomadSettings
 from tests.fixtures.nomad import StandIn

@@ -15,9 +15,9 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from nomad_driver.admin import WatcherCollector
 from nomad_driver.spec import parse_models
 from nomad_driver.state import ModelState, state_key
+from nomad_driver.watcher.admin import WatcherCollector
 from tests.watcher_support import PROFILES, mock_job, until, watcher_on_standin
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]

@@ -16,13 +16,13 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 
 from devstack.prometheus import self_signed_certificate
-from nomad_driver import ctl
-from nomad_driver.admin import create_app, model_status
+from nomad_driver.cli import ctl
 from nomad_driver.consul import Consul
 from nomad_driver.nomad import Nomad
 from nomad_driver.spec import parse_models
 from nomad_driver.state import parse_state, state_key
-from nomad_driver.watcher import Watcher
+from nomad_driver.watcher.admin import create_app, model_status
+from nomad_driver.watcher.loop import Watcher
 from tests.watcher_support import engines_dir, mock_job, models_text, node, until, watcher_on_standin
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]

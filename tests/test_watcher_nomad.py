@@ -16,7 +16,7 @@ from nomad_driver.consul import Consul
 from nomad_driver.nomad import Nomad
 from nomad_driver.spec import parse_models
 from nomad_driver.state import CONFIG_MODELS_KEY, ModelState
-from nomad_driver.watcher import Watcher
+from nomad_driver.watcher.loop import Watcher
 from tests.watcher_support import (
     engines_dir,
     mock_job,

@@ -16,9 +16,9 @@ import uvicorn
 from typer.testing import CliRunner
 
 from devstack.ports import free_port
-from nomad_driver.admin import create_app
-from nomad_driver.cli import app as cli_app
+from nomad_driver.cli.app import app as cli_app
 from nomad_driver.spec import parse_models
+from nomad_driver.watcher.admin import create_app
 from tests.watcher_support import PROFILES, mock_job, read_state, until, watcher_on_standin
 
 pytestmark = pytest.mark.timeout(150)

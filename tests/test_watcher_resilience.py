@@ -13,7 +13,7 @@ from nomad_driver.consul import Consul
 from nomad_driver.nomad import Nomad
 from nomad_driver.spec import parse_models
 from nomad_driver.state import CONFIG_MODELS_KEY, ModelState, state_key
-from nomad_driver.watcher import Watcher, WatcherConfig
+from nomad_driver.watcher.loop import Watcher, WatcherConfig
 from tests.watcher_support import CRASH_AND_IDLE_MODELS, mock_job, read_state, until
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]

@@ -22,7 +22,7 @@ from nomad_driver.nomad import Nomad
 from nomad_driver.render import render_job
 from nomad_driver.spec import Model
 from nomad_driver.state import CONFIG_MODELS_KEY, ModelState, parse_state, state_key
-from nomad_driver.watcher import Watcher, WatcherConfig
+from nomad_driver.watcher.loop import Watcher, WatcherConfig
 
 # The CPU profile with nothing but its engine: enough for reconcile() and for a watcher whose
 # Nomad is never asked to place anything.

@@ -13,9 +13,9 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-from nomad_driver.admin import create_app
-from nomad_driver.cli import app as cli_app
-from nomad_driver.watcher_cli import admin_token
+from nomad_driver.cli.app import app as cli_app
+from nomad_driver.cli.watcher import admin_token
+from nomad_driver.watcher.admin import create_app
 from tests.watcher_support import CRASH_AND_IDLE_MODELS, until, watcher_on_standin
 
 pytestmark = pytest.mark.timeout(120)

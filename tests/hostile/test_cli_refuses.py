@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from nomad_driver.cli import app as cli_app
+from nomad_driver.cli.app import app as cli_app
 from nomad_driver.spec import SpecError, parse_models
 from nomad_driver.state import parse_activity
 

@@ -12,7 +12,7 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-from nomad_driver.cli import app as cli_app
+from nomad_driver.cli.app import app as cli_app
 from nomad_driver.logs import LogfmtFormatter
 from nomad_driver.spec import SpecError, parse_models, redact
 from nomad_driver.state import CONFIG_MODELS_KEY

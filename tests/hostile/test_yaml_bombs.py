@@ -11,7 +11,7 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-from nomad_driver.cli import app as cli_app
+from nomad_driver.cli.app import app as cli_app
 from nomad_driver.state import CONFIG_MODELS_KEY
 from tests.hostile.conftest import Bystander, GuardedRouter, alpha_replica
 from tests.router.conftest import StartStub, put_kv, wait_until

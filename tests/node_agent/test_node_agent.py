@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from nomad_driver.node_agent import NodeAgent, NodeAgentConfig, build_meta, meta_changes
-from nomad_driver.node_inventory import EngineScanner, cached_models
+from nomad_driver.node_agent.agent import NodeAgent, NodeAgentConfig, build_meta, meta_changes
+from nomad_driver.node_agent.inventory import EngineScanner, cached_models
 from tests.node_agent.fake_nvml import FakeGpu, FakeNVML
 
 H100 = "NVIDIA H100 80GB HBM3"

@@ -24,7 +24,7 @@ from nomad_driver.consul import Consul
 from nomad_driver.nomad import Nomad
 from nomad_driver.render import render_job
 from nomad_driver.spec import parse_models
-from nomad_driver.watcher import Watcher, WatcherConfig
+from nomad_driver.watcher.loop import Watcher, WatcherConfig
 from tests.router.conftest import RunningRouter, StartRouter, get_kv, put_kv, put_state, wait_until
 
 ENGINE_VERSION = "0.3.36"

@@ -20,7 +20,7 @@ import pytest
 from nomad_driver.consul import Consul
 from nomad_driver.nomad import Nomad
 from nomad_driver.state import CONFIG_MODELS_KEY
-from nomad_driver.watcher import Watcher, WatcherConfig
+from nomad_driver.watcher.loop import Watcher, WatcherConfig
 from tests.router.conftest import StartRouter
 from tests.watcher_support import PROFILES, engines_dir, node, until
 

@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 from devstack import lifetime
 from devstack.ports import free_port
-from nomad_driver.cli import app as cli_app
+from nomad_driver.cli.app import app as cli_app
 from router.config import ConfigError, Timeouts, from_env, load_api_keys, normalise_addr, parse_listen
 from tests.router.conftest import StartRouter, StartStub, register_replica, wait_until, write_self_signed
 
@@ -135,7 +135,7 @@ def test_llmgw_router_serves_until_sigterm(consul_url: str, tmp_path: Path) -> N
         [
             sys.executable,
             "-c",
-            "from nomad_driver.cli import main; main()",
+            "from nomad_driver.cli.app import main; main()",
             "router",
             "--api-keys-file",
             str(keys),

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from nomad_driver.node_agent import NodeAgent, NodeAgentConfig
+from nomad_driver.node_agent.agent import NodeAgent, NodeAgentConfig
 from tests.fixtures.nomad import StandIn
 from tests.standin.api_helpers import eval_done, live_allocs, mock_job, tiny_node, wait_for
 

@@ -25,6 +25,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+from nomad_driver.fields import as_int
+
 # Attempts that fail before the engine ever runs; each is one failed start.
 _FAILED_BEFORE_START = {
     "Driver Failure",
@@ -89,7 +91,7 @@ def starts_of(alloc: Mapping[str, Any]) -> list[Start]:
     states = alloc.get("TaskStates")
     if not isinstance(states, dict):
         return []
-    version = _int(alloc.get("JobVersion"))
+    version = as_int(alloc.get("JobVersion"))
     live = alloc.get("ClientStatus") in _LIVE_CLIENT
     alloc_failed = alloc.get("ClientStatus") == "failed"
     out: list[Start] = []
@@ -100,7 +102,7 @@ def starts_of(alloc: Mapping[str, Any]) -> list[Start]:
         current: dict[str, Any] | None = None  # the open attempt: time, stop asked
         for ev in events:
             kind = str(ev.get("Type", ""))
-            t = _int(ev.get("Time"))
+            t = as_int(ev.get("Time"))
             if kind == "Started":
                 current = {"time": t, "stopping": False}
             elif kind in _STOP_REQUESTED and current is not None:
@@ -223,13 +225,6 @@ def last_error(failed: Start | None, stderr_tail: str | None) -> str:
     if failed is None:
         return ""
     return failed.error
-
-
-def _int(v: Any) -> int:
-    try:
-        return int(v or 0)
-    except (TypeError, ValueError):
-        return 0
 
 
 def current_start(alloc: Mapping[str, Any]) -> StartId | None:

@@ -21,9 +21,19 @@ import httpx
 from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client import Counter as PromCounter
 
-from nomad_driver.node_inventory import EngineInstall, EngineScanner, cached_models, engine_meta_key
+from nomad_driver.node_agent.inventory import EngineInstall, EngineScanner, cached_models
+from nomad_driver.node_agent.nvml import GpuReading, NvmlReader, NvmlUnavailable
+from nomad_driver.node_meta import (
+    ENGINES_DIR_KEY,
+    FABRIC_KEY,
+    GPU_CLASS_KEY,
+    GPU_COUNT_KEY,
+    GPUS_UNHEALTHY_KEY,
+    MODELS_CACHED_KEY,
+    NVML_KEY,
+    engine_meta_key,
+)
 from nomad_driver.nomad import tls_from_env
-from nomad_driver.nvml import GpuReading, NvmlReader, NvmlUnavailable
 
 log = logging.getLogger("llmgw.node_agent")
 
@@ -58,24 +68,24 @@ def gpu_class_of(gpus: list[GpuReading]) -> str:
 
 
 def build_meta(inventory: Inventory, config: NodeAgentConfig) -> dict[str, str]:
-    meta: dict[str, str] = {"llmgw_engines_dir": str(config.engines_dir)}
+    meta: dict[str, str] = {ENGINES_DIR_KEY: str(config.engines_dir)}
     versions: dict[str, list[str]] = {}
     for install in inventory.engines:
         versions.setdefault(install.engine, []).append(install.version)
     for engine, found in versions.items():
         meta[engine_meta_key(engine)] = ",".join(sorted(found))
-    meta["llmgw_models_cached"] = ",".join(inventory.models)
+    meta[MODELS_CACHED_KEY] = ",".join(inventory.models)
     # A `${meta.llmgw_fabric}` that Nomad could not interpolate arrives as that literal text;
     # publishing it would make every such node look like one fabric named "${meta...}".
     if config.fabric and not config.fabric.startswith("${"):
-        meta["llmgw_fabric"] = config.fabric
+        meta[FABRIC_KEY] = config.fabric
     if inventory.gpus is None:
-        meta["llmgw_nvml"] = "unavailable"
+        meta[NVML_KEY] = "unavailable"
     else:
-        meta["llmgw_nvml"] = "ok"
-        meta["llmgw_gpu_class"] = config.gpu_class or gpu_class_of(inventory.gpus)
-        meta["llmgw_gpu_count"] = str(len(inventory.gpus))
-        meta["llmgw_gpus_unhealthy"] = ",".join(g.uuid for g in inventory.gpus if not g.healthy)
+        meta[NVML_KEY] = "ok"
+        meta[GPU_CLASS_KEY] = config.gpu_class or gpu_class_of(inventory.gpus)
+        meta[GPU_COUNT_KEY] = str(len(inventory.gpus))
+        meta[GPUS_UNHEALTHY_KEY] = ",".join(g.uuid for g in inventory.gpus if not g.healthy)
     return meta
 
 

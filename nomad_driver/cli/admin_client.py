@@ -12,6 +12,8 @@ from urllib.parse import quote
 
 import httpx
 
+from nomad_driver.admin_api import TOKEN_ENV
+
 DEFAULT_ADMIN_ADDR = "http://127.0.0.1:4700"
 
 
@@ -55,9 +57,7 @@ class AdminClient:
 
     @classmethod
     def from_env(cls) -> AdminClient:
-        return cls(
-            os.environ.get("LLMGW_ADMIN_ADDR", DEFAULT_ADMIN_ADDR), os.environ.get("LLMGW_ADMIN_TOKEN")
-        )
+        return cls(os.environ.get("LLMGW_ADMIN_ADDR", DEFAULT_ADMIN_ADDR), os.environ.get(TOKEN_ENV))
 
     def close(self) -> None:
         self._http.close()
@@ -79,7 +79,7 @@ class AdminClient:
                 leader.get("address", ""),
             )
         if response.status_code >= 400:
-            hint = "; check LLMGW_ADMIN_TOKEN" if response.status_code in (401, 403) else ""
+            hint = f"; check {TOKEN_ENV}" if response.status_code in (401, 403) else ""
             raise AdminError(
                 f"the llmgw admin API at {self.addr} answered {method} {path} with "
                 f"{response.status_code}: {_error_message(response)}{hint}"

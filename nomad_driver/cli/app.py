@@ -102,7 +102,7 @@ def plan_command(
     """Show what `llmgw apply MODELS.yaml` would change and whether each change fits, touching
     nothing. Exit codes: 0 nothing to do, 2 invalid file, 3 Nomad or Consul unreachable,
     6 changes that all fit, 7 something fits nowhere."""
-    from nomad_driver.plan import plan_or_exit, show_plan
+    from nomad_driver.cli.plan import plan_or_exit, show_plan
 
     plan = plan_or_exit(models_file, as_json=as_json, verb="plan")
     show_plan(plan, str(models_file), as_json=as_json)
@@ -199,7 +199,7 @@ def node_agent_command(
 ) -> None:
     """Publish this node's GPUs, engines and cached weights as Nomad node metadata."""
     from nomad_driver.logs import configure_logging
-    from nomad_driver.node_agent import NodeAgentConfig, serve
+    from nomad_driver.node_agent.agent import NodeAgentConfig, serve
 
     configure_logging(log_level)
     config = NodeAgentConfig(
@@ -213,11 +213,11 @@ def node_agent_command(
     serve(config, listen)
 
 
-from nomad_driver.ctl import ctl_app  # noqa: E402  (a sub-app must exist when the CLI is built)
+from nomad_driver.cli.ctl import ctl_app  # noqa: E402  (a sub-app must exist when the CLI is built)
 
 app.add_typer(ctl_app, name="ctl")
 
-from nomad_driver.watcher_cli import register as _register_watcher_verbs  # noqa: E402
+from nomad_driver.cli.watcher import register as _register_watcher_verbs  # noqa: E402
 
 _register_watcher_verbs(app, ctl_app)
 

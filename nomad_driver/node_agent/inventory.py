@@ -21,12 +21,6 @@ log = logging.getLogger("llmgw.node_agent.inventory")
 VERSION_TIMEOUT_S = 20.0
 
 
-def engine_meta_key(engine: str) -> str:
-    """`llama.cpp` -> `llmgw_engine_llama_cpp`: node meta keys that jobs interpolate must be
-    plain identifiers."""
-    return "llmgw_engine_" + re.sub(r"[^A-Za-z0-9]", "_", engine)
-
-
 @dataclass(frozen=True)
 class EngineInstall:
     engine: str

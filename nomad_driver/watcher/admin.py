@@ -20,21 +20,19 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from nomad_driver.admin_api import TOKEN_ENV
 from nomad_driver.certs import register_cert_collector
 from nomad_driver.consul import ConsulError
-from nomad_driver.node_inventory import engine_meta_key
+from nomad_driver.node_meta import ENGINE_KEY_PREFIX, FABRIC_KEY, engine_meta_key, models_cached
 from nomad_driver.spec import redact
-from nomad_driver.summary import _gpu_use, _held_devices, fleet_summary, node_state
-from nomad_driver.watcher import NotLeader, UnknownModel, Watcher
-
-TOKEN_ENV = "LLMGW_ADMIN_TOKEN"
+from nomad_driver.summary import fleet_summary, gpu_use, held_devices, node_state
+from nomad_driver.watcher.loop import NotLeader, UnknownModel, Watcher
 
 # Node meta key -> engine name. The key is a mangled name (`llama.cpp` and `llama_cpp` would
 # both be `llmgw_engine_llama_cpp`), so the known engines are mapped back by name; a key no
 # engine maps to is shown with its suffix, so a new engine is visible before llmgw knows it.
 KNOWN_ENGINES = ("llama.cpp", "llama-cpp-python", "vllm")
 ENGINE_BY_META_KEY = {engine_meta_key(e): e for e in KNOWN_ENGINES}
-_ENGINE_PREFIX = "llmgw_engine_"
 
 
 def node_engines(node: Mapping[str, Any]) -> dict[str, list[str]]:
@@ -44,9 +42,9 @@ def node_engines(node: Mapping[str, Any]) -> dict[str, list[str]]:
     if not isinstance(meta, Mapping):
         return out
     for key, value in meta.items():
-        if not str(key).startswith(_ENGINE_PREFIX):
+        if not str(key).startswith(ENGINE_KEY_PREFIX):
             continue
-        engine = ENGINE_BY_META_KEY.get(str(key), str(key)[len(_ENGINE_PREFIX) :])
+        engine = ENGINE_BY_META_KEY.get(str(key), str(key)[len(ENGINE_KEY_PREFIX) :])
         versions = [v.strip() for v in str(value or "").split(",") if v.strip()]
         if versions:
             out[engine] = sorted(set(versions))
@@ -197,13 +195,12 @@ def model_status(w: Watcher, name: str) -> dict[str, Any]:
 def nodes_status(w: Watcher) -> list[dict[str, Any]]:
     """Every Nomad node as `GET /v1/admin/nodes` shows it, sorted by name."""
     nodes = [dict(n) for n in (w.nodes.snapshot.data if w.nodes.snapshot else ())]
-    held = _held_devices(w.allocs.snapshot.data if w.allocs.snapshot else ())
+    held = held_devices(w.allocs.snapshot.data if w.allocs.snapshot else ())
     out = []
     for node in nodes:
         raw_meta = node.get("Meta")
         meta: dict[str, Any] = raw_meta if isinstance(raw_meta, dict) else {}
-        gpus, _ = _gpu_use([node], held)
-        cached = str(meta.get("llmgw_models_cached") or "")
+        gpus, _ = gpu_use([node], held)
         out.append(
             {
                 "name": str(node.get("Name", "")),
@@ -216,9 +213,9 @@ def nodes_status(w: Watcher) -> list[dict[str, Any]]:
                 "eligibility": str(node.get("SchedulingEligibility", "")),
                 "draining": node_state(node) == "draining",
                 "gpus": gpus,
-                "fabric": str(meta.get("llmgw_fabric") or ""),
+                "fabric": str(meta.get(FABRIC_KEY) or ""),
                 "engines": node_engines(node),
-                "models_cached": sorted({m.strip() for m in cached.split(",") if m.strip()}),
+                "models_cached": sorted(models_cached(meta)),
             }
         )
     out.sort(key=lambda n: (n["name"], n["id"]))

@@ -104,8 +104,8 @@ _ENGINE_READ = ConsulGrant("service", "llmgw-engine", "read")
 
 CALLS: dict[Component, tuple[Call, ...]] = {
     "watcher": (
-        # Consul: the state it watches and writes (nomad_driver/watch.py, watcher.py). `llmgw apply`
-        # (apply.py) runs with the operator's token, not the watcher's.
+        # Consul: the state it watches and writes (nomad_driver/watcher/watch.py, loop.py). `llmgw apply`
+        # (cli/apply.py) runs with the operator's token, not the watcher's.
         _consul(
             "GET",
             "/v1/kv/llmgw/?recurse",
@@ -125,11 +125,11 @@ CALLS: dict[Component, tuple[Call, ...]] = {
             _key("llmgw/leader", "read"),
             _key("llmgw/state/", "write", prefix=True),
         ),
-        # The leader deletes the in-flight keys of routers gone for an hour (watcher.py).
+        # The leader deletes the in-flight keys of routers gone for an hour (watcher/loop.py).
         _consul(
             "DELETE", "/v1/kv/llmgw/<key>", "remove a key llmgw owns", _key("llmgw/", "write", prefix=True)
         ),
-        # Leadership (nomad_driver/leader.py): the session is tied to the local agent's node,
+        # Leadership (nomad_driver/watcher/leader.py): the session is tied to the local agent's node,
         # whose name the policy cannot know in advance.
         _consul(
             "PUT",
@@ -156,7 +156,7 @@ CALLS: dict[Component, tuple[Call, ...]] = {
         _consul(
             "PUT", "/v1/kv/llmgw/leader?release=<session>", "give the lock up", _key("llmgw/leader", "write")
         ),
-        # Model health entries (nomad_driver/health.py): one external node, one service per model.
+        # Model health entries (nomad_driver/watcher/health.py): one external node, one service per model.
         _consul(
             "PUT",
             "/v1/catalog/register",
@@ -181,7 +181,7 @@ CALLS: dict[Component, tuple[Call, ...]] = {
         _consul(
             "GET", "/v1/health/service/llmgw-engine", "count ready replicas", _ENGINE_READ, _ALL_NODES_READ
         ),
-        # Nomad (nomad_driver/nomad.py, watch.py).
+        # Nomad (nomad_driver/nomad.py, watcher/watch.py).
         _nomad("GET", "/v1/jobs?prefix=llmgw-", "watch the model jobs", _ns("list-jobs")),
         _nomad("GET", "/v1/job/<job>", "read a model job", _ns("read-job")),
         _nomad("POST", "/v1/job/<job>", "register or update a model job", _ns("submit-job")),
@@ -245,14 +245,14 @@ CALLS: dict[Component, tuple[Call, ...]] = {
         _nomad("GET", "/v1/evaluation/<eval>", "wait for that attempt's evaluation", _ns("read-job")),
     ),
     "node-agent": (
-        # Nomad (nomad_driver/node_agent.py), on the local client agent.
+        # Nomad (nomad_driver/node_agent/agent.py), on the local client agent.
         _nomad("GET", "/v1/client/metadata", "what is published now", NomadGrant("node", "read")),
         _nomad(
             "POST", "/v1/client/metadata", "publish GPUs, engines and weights", NomadGrant("node", "write")
         ),
     ),
     "operator": (
-        # `llmgw apply` (nomad_driver/apply.py): the definitions with check-and-set, then each job
+        # `llmgw apply` (nomad_driver/cli/apply.py): the definitions with check-and-set, then each job
         # read (to keep its count and skip an unchanged one) before it is registered.
         _consul(
             "GET",
@@ -268,7 +268,7 @@ CALLS: dict[Component, tuple[Call, ...]] = {
         ),
         _nomad("GET", "/v1/job/<job>", "is the running job current; its replica count", _ns("read-job")),
         _nomad("POST", "/v1/job/<job>", "register a new or changed model job", _ns("submit-job")),
-        # `llmgw plan` (nomad_driver/plan.py), which `apply` runs first: the running model jobs
+        # `llmgw plan` (nomad_driver/cli/plan.py), which `apply` runs first: the running model jobs
         # (removed models), Nomad's plan of each changed one, the nodes' GPUs where it fits.
         _nomad(
             "GET", "/v1/jobs?prefix=llmgw-&meta=true", "model jobs no longer in the file", _ns("list-jobs")

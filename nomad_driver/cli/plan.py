@@ -23,10 +23,10 @@ from typing import Any, Literal, NoReturn
 from nomad_driver.consul import Consul
 from nomad_driver.nomad import JOB_PREFIX, Nomad
 from nomad_driver.placement import summarize_placement
-from nomad_driver.reconcile import job_def_hash, job_group, job_is_current, job_scaling_max
 from nomad_driver.render import render_job
 from nomad_driver.spec import Model, ModelSet, SpecError, parse_models, problem_line, read_models_text
 from nomad_driver.state import CONFIG_MODELS_KEY
+from nomad_driver.watcher.reconcile import job_def_hash, job_group, job_is_current, job_scaling_max
 
 # Exit codes, for CI to gate on (documented in README and docs/operating.md).
 EXIT_NOTHING_TO_DO = 0
@@ -241,9 +241,15 @@ def planned_count(model: Model, job: Mapping[str, Any]) -> tuple[int, bool]:
 def nomad_plan(nomad: Nomad, job: dict[str, Any]) -> dict[str, Any]:
     """Nomad's `JobPlanResponse` for registering `job`, with its diff: computed in a snapshot
     and written nowhere. Made here rather than in the client, because only the operator's
-    `plan` and `apply` ask it, with the operator's token (nomad_driver/acl.py, "operator")."""
-    resp = nomad._request("job", str(job["ID"]), "plan", method="post", body={"Job": job, "Diff": True})
-    data = nomad._json(resp, f"plan {job['ID']}")
+    `plan` and `apply` ask it, with the operator's token (tests/acl_table.py, "operator")."""
+    data = nomad.request_json(
+        "job",
+        str(job["ID"]),
+        "plan",
+        what=f"plan {job['ID']}",
+        method="post",
+        body={"Job": job, "Diff": True},
+    )
     return data if isinstance(data, dict) else {}
 
 

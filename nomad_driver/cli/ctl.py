@@ -19,13 +19,15 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from nomad_driver.admin_client import (
+from nomad_driver.admin_api import TOKEN_ENV
+from nomad_driver.cli.admin_client import (
     DEFAULT_ADMIN_ADDR,
     AdminClient,
     AdminError,
     AdminUnreachable,
     UnknownModel,
 )
+from nomad_driver.fields import as_int
 
 EXIT_CHECK_FAILED = 1
 EXIT_UNREACHABLE = 3
@@ -75,7 +77,7 @@ def _ctl(
     token: str | None = typer.Option(
         None,
         "--token",
-        envvar="LLMGW_ADMIN_TOKEN",
+        envvar=TOKEN_ENV,
         help="Bearer token for the admin API.",
         show_default=False,
     ),
@@ -96,13 +98,6 @@ def print_json(data: Any) -> None:
     typer.echo(json.dumps(data, indent=2, sort_keys=False))
 
 
-def _int(value: Any) -> int:
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        return 0
-
-
 def model_problem(model: dict[str, Any]) -> str | None:
     """parked, refused (Nomad refuses llmgw's calls for it), unplaceable or short when a model
     is not serving what it should have now.
@@ -118,7 +113,10 @@ def model_problem(model: dict[str, Any]) -> str | None:
         return "refused"
     if model.get("unplaceable") is True or model.get("state") == "unplaceable":
         return "unplaceable"
-    if _int(model.get("ready")) < _int(model.get("desired")) or model.get("state") in ("short", "starting"):
+    if as_int(model.get("ready")) < as_int(model.get("desired")) or model.get("state") in (
+        "short",
+        "starting",
+    ):
         return "short"
     return None
 
@@ -187,8 +185,8 @@ def status(
         for m in _problem_first(rows):
             table.add_row(
                 str(m.get("model", "")),
-                str(_int(m.get("desired"))),
-                str(_int(m.get("ready"))),
+                str(as_int(m.get("desired"))),
+                str(as_int(m.get("ready"))),
                 _state_text(m),
                 model_reason(m),
             )
@@ -243,10 +241,10 @@ def models_cmd(
         table.add_row(
             str(m.get("model", "")),
             _bounds(m),
-            str(_int(m.get("desired"))),
-            str(_int(m.get("ready"))),
-            str(_int(m.get("starting"))),
-            str(_int(m.get("consecutive_failures"))),
+            str(as_int(m.get("desired"))),
+            str(as_int(m.get("ready"))),
+            str(as_int(m.get("starting"))),
+            str(as_int(m.get("consecutive_failures"))),
             _state_text(m),
             str(m.get("last_error") or m.get("placement_reason") or ""),
         )
@@ -259,13 +257,13 @@ def _bounds(model: dict[str, Any]) -> str:
     nested: dict[str, Any] = replicas if isinstance(replicas, dict) else {}
     low = model.get("replicas_min", nested.get("min"))
     high = model.get("replicas_max", nested.get("max"))
-    return f"{_int(low)}..{_int(high)}"
+    return f"{as_int(low)}..{as_int(high)}"
 
 
 def gpu_bar(use: dict[str, Any], width: int = 30) -> Text:
     """Used, unhealthy, unavailable and free as one bar, so a class that only looks roomy
     (broken or drained cards) reads differently from one that is."""
-    total = _int(use.get("total"))
+    total = as_int(use.get("total"))
     bar = Text()
     if total <= 0:
         return bar.append("-" * width, style="dim")
@@ -277,7 +275,7 @@ def gpu_bar(use: dict[str, Any], width: int = 30) -> Text:
     ]
     drawn = 0
     for i, (key, char, style) in enumerate(parts):
-        cells = width - drawn if i == len(parts) - 1 else round(_int(use.get(key)) * width / total)
+        cells = width - drawn if i == len(parts) - 1 else round(as_int(use.get(key)) * width / total)
         cells = max(0, min(cells, width - drawn))
         bar.append(char * cells, style=style)
         drawn += cells
@@ -298,7 +296,7 @@ def _render_summary(console: Console, s: dict[str, Any]) -> None:
         for p in parked:
             table.add_row(
                 str(p.get("model", "")),
-                str(_int(p.get("consecutive_failures"))),
+                str(as_int(p.get("consecutive_failures"))),
                 str(p.get("last_error", "")),
             )
         console.print(table)
@@ -319,13 +317,13 @@ def _render_summary(console: Console, s: dict[str, Any]) -> None:
     short = ", ".join(
         f"{m.get('model')} parked"
         if m.get("model") in parked_names
-        else f"{m.get('model')} {_int(m.get('ready'))} of {_int(m.get('desired'))} ready"
+        else f"{m.get('model')} {as_int(m.get('ready'))} of {as_int(m.get('desired'))} ready"
         for m in models.get("short_models") or []
         if isinstance(m, dict)
     )
     console.print(
-        f"models: {_int(models.get('total'))} total, {_int(models.get('satisfied'))} satisfied, "
-        f"{_int(models.get('short'))} short" + (f" ({short})" if short else "")
+        f"models: {as_int(models.get('total'))} total, {as_int(models.get('satisfied'))} satisfied, "
+        f"{as_int(models.get('short'))} short" + (f" ({short})" if short else "")
     )
 
     gpus = Table(title="GPUs per class", title_justify="left")
@@ -335,7 +333,7 @@ def _render_summary(console: Console, s: dict[str, Any]) -> None:
         gpus.add_row(
             str(use.get("class", "")),
             gpu_bar(use),
-            *(str(_int(use.get(k))) for k in ("used", "free", "unhealthy", "unavailable", "total")),
+            *(str(as_int(use.get(k))) for k in ("used", "free", "unhealthy", "unavailable", "total")),
         )
     console.print(gpus)
     console.print(Text("█ used  ", style="cyan") + Text("█ unhealthy  ", style="red")
@@ -344,14 +342,14 @@ def _render_summary(console: Console, s: dict[str, Any]) -> None:
 
     nodes = s.get("nodes") or {}
     console.print(
-        f"nodes: {_int(nodes.get('total'))} total, {_int(nodes.get('ready'))} ready, "
-        f"{_int(nodes.get('draining'))} draining, {_int(nodes.get('ineligible'))} ineligible, "
-        f"{_int(nodes.get('down'))} down"
+        f"nodes: {as_int(nodes.get('total'))} total, {as_int(nodes.get('ready'))} ready, "
+        f"{as_int(nodes.get('draining'))} draining, {as_int(nodes.get('ineligible'))} ineligible, "
+        f"{as_int(nodes.get('down'))} down"
     )
     replicas = s.get("replicas") or {}
     console.print(
-        f"replicas: {_int(replicas.get('total'))} total, {_int(replicas.get('ready'))} ready, "
-        f"{_int(replicas.get('starting'))} starting"
+        f"replicas: {as_int(replicas.get('total'))} total, {as_int(replicas.get('ready'))} ready, "
+        f"{as_int(replicas.get('starting'))} starting"
     )
 
     fabrics = s.get("fabrics") or []
@@ -363,7 +361,7 @@ def _render_summary(console: Console, s: dict[str, Any]) -> None:
             table.add_row(
                 str(f.get("fabric", "")),
                 *(
-                    str(_int(f.get(k)))
+                    str(as_int(f.get(k)))
                     for k in ("nodes", "nodes_with_weights", "models_present", "largest_free_block")
                 ),
             )
@@ -377,13 +375,13 @@ def _render_summary(console: Console, s: dict[str, Any]) -> None:
         for column in ("MODEL", "NODE", "ALLOCATION", "IDLE", "GPUS"):
             table.add_column(column)
         for r in idle:
-            minutes = _int(r.get("idle_seconds")) // 60
+            minutes = as_int(r.get("idle_seconds")) // 60
             table.add_row(
                 str(r.get("model", "")),
                 str(r.get("node", "")),
                 str(r.get("alloc_id", ""))[:8],
                 f"{minutes // 60}h{minutes % 60:02d}m",
-                str(_int(r.get("gpus"))),
+                str(as_int(r.get("gpus"))),
             )
         console.print(table)
 
@@ -407,8 +405,10 @@ def _gpu_cell(gpus: Any) -> str:
     parts = []
     for use in gpus if isinstance(gpus, list) else []:
         if isinstance(use, dict):
-            bad = f", {_int(use.get('unhealthy'))} unhealthy" if _int(use.get("unhealthy")) else ""
-            parts.append(f"{use.get('class', '')} {_int(use.get('used'))}/{_int(use.get('total'))} used{bad}")
+            bad = f", {as_int(use.get('unhealthy'))} unhealthy" if as_int(use.get("unhealthy")) else ""
+            parts.append(
+                f"{use.get('class', '')} {as_int(use.get('used'))}/{as_int(use.get('total'))} used{bad}"
+            )
     return "; ".join(parts)
 
 

@@ -170,7 +170,7 @@ def jobs_fetch(
 
 
 def _read_node(nomad: Nomad, node_id: str) -> Any:
-    return nomad._json(nomad._request("node", node_id), f"node {node_id}")
+    return nomad.request_json("node", node_id, what=f"node {node_id}")
 
 
 @dataclass

@@ -126,6 +126,12 @@ class Leadership:
         if self.on_change:
             self.on_change(leading)
 
+    def step_down(self, why: str) -> None:
+        """Stop leading at once (a fenced write was refused): the session is destroyed rather
+        than left holding anything until its TTL, and the election loop makes a new one."""
+        self._set_leader(False, why)
+        self.abandon_session()
+
     async def run(self) -> None:
         self._renewer = asyncio.create_task(self._renew_loop())
         try:

@@ -13,11 +13,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from nomad_driver.parking import Ledger, StartId, count_start_failures
 from nomad_driver.placement import latest_placement_failure
 from nomad_driver.render import SHARD_GROUP
 from nomad_driver.spec import Model
 from nomad_driver.state import ModelState
+from nomad_driver.watcher.parking import Ledger, StartId, count_start_failures
 
 DEFAULT_MAX_START_FAILURES = 5
 HealthStatus = Literal["passing", "warning", "critical"]
@@ -246,7 +246,8 @@ def counted_definition(view: ModelView, state: ModelState) -> ModelState:
     return state
 
 
-def _same(a: ModelState, b: ModelState) -> bool:
+def same_state(a: ModelState, b: ModelState) -> bool:
+    """Equal but for when it was written: an unchanged state is not written again."""
     return a.model_dump(exclude={"updated_at"}) == b.model_dump(exclude={"updated_at"})
 
 
@@ -366,7 +367,7 @@ def reconcile(view: ModelView, max_start_failures: int = DEFAULT_MAX_START_FAILU
                 view.state_index,
             ),
         )
-    elif view.state_problem or not _same(state, stored):
+    elif view.state_problem or not same_state(state, stored):
         actions.append(WriteState(m.name, state, view.state_index))
 
     live = sum(
@@ -383,7 +384,7 @@ def _conflicted(view: ModelView, state: ModelState) -> Decision:
     m = view.model
     desired = 0 if state.parked else desired_replicas(view, 0)
     actions: tuple[Action, ...] = ()
-    if view.state_problem or not _same(state, view.state or ModelState()):
+    if view.state_problem or not same_state(state, view.state or ModelState()):
         actions = (WriteState(m.name, state, view.state_index),)
     health, output = model_health(m.name, state, desired, view.ready, 0)
     return Decision(m.name, desired, view.ready, 0, state, health, output, actions)

@@ -15,18 +15,21 @@ from pathlib import Path
 
 import typer
 
+from nomad_driver.admin_api import TOKEN_ENV
+from router.config import ConfigError, parse_listen
+
 EXIT_BAD_INPUT = 2
 EXIT_UNREACHABLE = 3
 EXIT_UNKNOWN_MODEL = 4
 EXIT_REFUSED = 5
-TOKEN_ENV = "LLMGW_ADMIN_TOKEN"
 
 
 def split_listen(listen: str) -> tuple[str, int]:
-    host, _, port = listen.rpartition(":")
-    if not host or not port.isdigit():
-        raise typer.BadParameter(f"--listen must be HOST:PORT, got {listen!r}")
-    return host.strip("[]"), int(port)
+    """`--listen` read as the router reads its own, with the error naming the flag."""
+    try:
+        return parse_listen(listen)
+    except ConfigError as exc:
+        raise typer.BadParameter(f"--listen: {exc}") from None
 
 
 # Listening on every interface says nothing about where others reach us.
@@ -118,11 +121,11 @@ def watcher(
     """Watch Nomad and Consul: park failing models, name unplaceable ones, scale idle ones down."""
     import uvicorn
 
-    from nomad_driver.admin import create_app
     from nomad_driver.consul import Consul
     from nomad_driver.logs import configure_logging
     from nomad_driver.nomad import Nomad
-    from nomad_driver.watcher import Watcher, WatcherConfig
+    from nomad_driver.watcher.admin import create_app
+    from nomad_driver.watcher.loop import Watcher, WatcherConfig
 
     configure_logging(log_level)
     host, port = split_listen(listen)
@@ -202,10 +205,10 @@ def apply(
     """Show the plan for MODELS.yaml, then store it in Consul (llmgw/config/models) and register
     its jobs. Asks first in a terminal; without one it applies a plan where everything fits, and
     refuses (exit 7) one where a model fits nowhere unless --allow-unplaceable."""
-    from nomad_driver.apply import ApplyConflict, apply_file
+    from nomad_driver.cli.apply import ApplyConflict, apply_file
+    from nomad_driver.cli.plan import EXIT_FITS_NOWHERE, plan_or_exit, show_plan
     from nomad_driver.consul import ConsulError
     from nomad_driver.nomad import NomadError
-    from nomad_driver.plan import EXIT_FITS_NOWHERE, plan_or_exit, show_plan
     from nomad_driver.spec import SpecError, problem_line
 
     plan = plan_or_exit(models, as_json=False, verb="apply")
@@ -261,8 +264,8 @@ def ctl_retry(
 ) -> None:
     """Unpark a model: clear its failure count and restore its replicas. The leader does it; sent
     to a follower, the request follows it to the leader."""
-    from nomad_driver.admin_client import AdminClient, NotLeader, retry_on_leader
-    from nomad_driver.ctl import admin_errors, client_of
+    from nomad_driver.cli.admin_client import AdminClient, NotLeader, retry_on_leader
+    from nomad_driver.cli.ctl import admin_errors, client_of
 
     # Given after the verb, they win over the group's; otherwise the group's client is used.
     client = client_of(ctx)

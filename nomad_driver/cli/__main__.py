@@ -1,0 +1,3 @@
+from nomad_driver.cli import main
+
+main()

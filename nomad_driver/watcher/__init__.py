@@ -1,0 +1,3 @@
+"""The watcher: the control loop that watches Consul and Nomad, reconciles, parks, places, leads,
+acts, reports, and serves the admin API. Imports the root contracts and clients only; never cli,
+node_agent or router."""

@@ -1,0 +1,114 @@
+"""The engine's own words for a failed start: the telling line of its stderr, read through
+Nomad's logs API once per failed start, so a parked model names why it died, and a decision
+given the most telling last error it can have."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable
+from dataclasses import replace
+
+from nomad_driver.nomad import Nomad, NomadError
+from nomad_driver.watcher import parking
+from nomad_driver.watcher.reconcile import (
+    Action,
+    Decision,
+    ModelView,
+    Park,
+    WriteState,
+    model_health,
+    same_state,
+)
+
+log = logging.getLogger("llmgw.watcher")
+
+# (alloc, task, failures): one failed start.
+StartKey = tuple[str, str, int]
+
+
+class EngineErrors:
+    def __init__(self, nomad: Nomad, wait_s: float) -> None:
+        self.nomad = nomad
+        # How long a read may wait for the stderr before falling back to Nomad's task event.
+        self.wait_s = wait_s
+        self._read: dict[StartKey, str] = {}
+
+    def keep_only(self, starts: Iterable[StartKey]) -> None:
+        """Forget the starts no decision parks any more."""
+        wanted = set(starts)
+        self._read = {k: v for k, v in self._read.items() if k in wanted}
+
+    async def read(self, park: Park) -> str:
+        """The line of the failed engine's stderr that says why it died; Nomad's task event
+        only when that read fails or the engine wrote nothing telling. Bounded, because a pass
+        waits for it."""
+        key = (park.alloc_id, park.task, park.failures)
+        if key in self._read:
+            return self._read[key]
+        line = ""
+        if park.alloc_id and park.task:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + self.wait_s
+            # An empty log is asked again only briefly: most engines that die write nothing
+            # more, and parking must not wait seconds for them.
+            patience = loop.time() + 0.5
+            while True:
+                try:
+                    stderr = await asyncio.wait_for(
+                        asyncio.to_thread(self.nomad.stderr_tail, park.alloc_id, park.task),
+                        timeout=max(0.1, deadline - loop.time()),
+                    )
+                except (NomadError, TimeoutError) as exc:
+                    log.warning(
+                        "event=stderr_unavailable model=%s alloc=%s error=%r fallback=task_event",
+                        park.model,
+                        park.alloc_id,
+                        str(exc) or type(exc).__name__,
+                    )
+                    break
+                line = parking.telling_line(stderr)
+                # Nothing written yet can be a log shipper a moment behind the exit; an engine
+                # that wrote and said nothing telling will not say more.
+                if line or stderr.strip() or loop.time() + 0.1 >= min(deadline, patience):
+                    break
+                await asyncio.sleep(0.1)
+        error = line or park.event_error or "no error recorded"
+        self._read[key] = error
+        return error
+
+    async def telling(self, d: Decision, view: ModelView) -> Decision:
+        """The decision with the most telling last error it can have.
+
+        A model about to be parked carries the engine's own words (its stderr) from the first
+        moment anything shows it parked: the admin API, the metrics, the Consul UI and the state
+        in KV, on every watcher. And a telling error already stored is never replaced by a less
+        telling one ("Exit Code: 1") for the same run of failures.
+        """
+        state = d.state
+        stored = view.state
+        park = next((a for a in d.actions if isinstance(a, Park)), None)
+        if park is not None:
+            state = state.model_copy(update={"last_error": await self.read(park)})
+        elif (
+            stored is not None
+            and state.last_error != stored.last_error
+            and parking.telling_line(stored.last_error)
+            and not parking.telling_line(state.last_error)
+            and state.consecutive_failures >= stored.consecutive_failures > 0
+        ):
+            state = state.model_copy(update={"last_error": stored.last_error})
+        else:
+            return d
+        health, output = model_health(d.model, state, d.desired, d.ready, d.starting)
+        actions: list[Action] = []
+        for a in d.actions:
+            if isinstance(a, Park):
+                a = replace(a, state=state)
+            elif isinstance(a, WriteState):
+                unchanged = stored is not None and not view.state_problem and same_state(state, stored)
+                if unchanged:
+                    continue
+                a = replace(a, state=state)
+            actions.append(a)
+        return replace(d, state=state, health=health, health_output=output, actions=tuple(actions))

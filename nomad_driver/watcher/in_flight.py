@@ -1,0 +1,55 @@
+"""What the routers say is in flight (their `llmgw/inflight/<router>` keys): summed per model for
+the idle clock and the scaling rules, and the keys of routers gone for an hour removed."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+from nomad_driver.consul import Consul, ConsulError, KVEntry
+from nomad_driver.state import INFLIGHT_PREFIX, parse_inflight
+
+log = logging.getLogger("llmgw.watcher")
+
+# A router's in-flight key that has not been refreshed for this long belongs to a router that is
+# gone; the leader deletes it.
+INFLIGHT_FORGET_AFTER_S = 3600.0
+
+
+def requests_in_flight(
+    kv: Mapping[str, KVEntry], now: float, least_grace_s: float
+) -> tuple[dict[str, int], dict[str, set[str]], float]:
+    """Requests in flight per model summed over the routers that still refresh their key,
+    the replicas those requests are on, and the grace for the idle clock: the longest
+    publishing interval of any router (`least_grace_s`, the routers' default, when none
+    publishes)."""
+    requests: dict[str, int] = {}
+    replicas: dict[str, set[str]] = {}
+    grace = least_grace_s
+    for key, entry in kv.items():
+        if not key.startswith(INFLIGHT_PREFIX):
+            continue
+        router = parse_inflight(entry.value)
+        if router is None or not router.live(now):
+            continue
+        grace = max(grace, router.interval_s)
+        for model, n in router.requests.items():
+            requests[model] = requests.get(model, 0) + n
+            replicas.setdefault(model, set()).update(router.replicas.get(model, ()))
+    return requests, replicas, grace
+
+
+async def forget_gone_routers(consul: Consul, kv: Mapping[str, KVEntry], now: float) -> None:
+    """Delete in-flight keys of routers gone for an hour (each router restart makes a new
+    key); check-and-set, so a router that came back and wrote meanwhile keeps its key."""
+    for key, entry in kv.items():
+        if not key.startswith(INFLIGHT_PREFIX):
+            continue
+        router = parse_inflight(entry.value)
+        if router is not None and router.at > now - INFLIGHT_FORGET_AFTER_S:
+            continue
+        try:
+            await consul.kv_delete(key, cas=entry.modify_index)
+        except ConsulError as exc:
+            log.warning("event=inflight_cleanup_failed key=%s error=%r", key, str(exc))
+            return

@@ -1,0 +1,464 @@
+"""The watcher: snapshots in, `reconcile` per model, actions out (on the leader only).
+
+Every watcher, leader or not, runs the same passes over the same snapshots, so any of them can
+answer the admin API; only the leader's actions reach Nomad and Consul. A pass calls nothing
+itself: it reads the latest snapshots in memory, which is what keeps a thousand models under a
+second of CPU and an idle minute at a handful of long polls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from nomad_driver.consul import Consul, ConsulError, ConsulUnavailable, KVEntry
+from nomad_driver.nomad import Nomad
+from nomad_driver.placement import PlacementWarnings
+from nomad_driver.render import SERVICE_NAME
+from nomad_driver.spec import Model, SpecError, parse_models
+from nomad_driver.state import (
+    ACTIVITY_PREFIX,
+    CONFIG_MODELS_KEY,
+    MalformedState,
+    ModelState,
+    parse_activity,
+    parse_state,
+    state_key,
+)
+from nomad_driver.watcher import parking
+from nomad_driver.watcher.acting import Actor
+from nomad_driver.watcher.engine_errors import EngineErrors
+from nomad_driver.watcher.fenced import FencedStates
+from nomad_driver.watcher.health import Entry, HealthEntries
+from nomad_driver.watcher.in_flight import INFLIGHT_FORGET_AFTER_S, forget_gone_routers, requests_in_flight
+from nomad_driver.watcher.leader import LeaderInfo, Leadership, LeaseLost
+from nomad_driver.watcher.reconcile import (
+    DEFAULT_MAX_START_FAILURES,
+    Decision,
+    ModelView,
+    Park,
+    job_group,
+    reconcile,
+    retried,
+)
+from nomad_driver.watcher.replicas import entry_alloc_id, entry_model, list_replicas, passing
+from nomad_driver.watcher.watch import (
+    JobCache,
+    NodeCache,
+    Watch,
+    engines_fetch,
+    jobs_fetch,
+    kv_fetch,
+    nodes_fetch,
+    nomad_list_fetch,
+)
+
+log = logging.getLogger("llmgw.watcher")
+
+
+class NotLeader(Exception):
+    def __init__(self, leader: LeaderInfo | None) -> None:
+        where = leader.describe() if leader else "no watcher leads right now"
+        super().__init__(f"this watcher does not lead; the leader is {where}")
+        self.leader = leader
+
+
+class UnknownModel(KeyError):
+    pass
+
+
+@dataclass(frozen=True)
+class WatcherConfig:
+    address: str = "127.0.0.1:4700"
+    max_start_failures: int = DEFAULT_MAX_START_FAILURES
+    wait_s: float = 60.0
+    leader_ttl_s: int = 10
+    lock_delay_s: float = 1.0
+    # Passes also run on this tick, for idle timeouts that expire with nothing changing.
+    tick_s: float = 5.0
+    min_pass_interval_s: float = 0.2
+    # How long parking waits for the failed engine's stderr before falling back to Nomad's
+    # task event; a pass waits this long at most, and only when a model is being parked.
+    stderr_wait_s: float = 3.0
+    # The routers' activity interval (their `activity_interval_s`), the least grace the idle
+    # clock gets when no router publishes a longer one.
+    activity_interval_s: float = 5.0
+
+
+class Watcher:
+    def __init__(
+        self,
+        consul: Consul,
+        nomad: Nomad,
+        config: WatcherConfig | None = None,
+        *,
+        clock: Callable[[], float] = time.time,
+        ident: str | None = None,
+    ) -> None:
+        self.consul = consul
+        self.nomad = nomad
+        self.config = config or WatcherConfig()
+        self.clock = clock
+        self.leadership = Leadership(
+            consul,
+            address=self.config.address,
+            ident=ident,
+            ttl_s=self.config.leader_ttl_s,
+            lock_delay_s=self.config.lock_delay_s,
+            on_change=self._leader_changed,
+        )
+        self.health = HealthEntries(consul)
+        self.warnings = PlacementWarnings(clock)
+        self._routers_checked_at = 0.0
+        self._wake = asyncio.Event()
+        w = self.config.wait_s
+        self.kv: Watch[dict[str, KVEntry]] = Watch("consul-kv", kv_fetch(consul, w), on_change=self.wake)
+        self.engines: Watch[tuple[dict[str, Any], ...]] = Watch(
+            "consul-engines", engines_fetch(consul, SERVICE_NAME, w), on_change=self.wake
+        )
+        self.jobs: Watch[Mapping[str, dict[str, Any]]] = Watch(
+            "nomad-jobs", jobs_fetch(nomad, w, JobCache()), on_change=self.wake
+        )
+        # With resources: the summary counts a GPU as used from the allocation that holds it.
+        self.allocs: Watch[tuple[dict[str, Any], ...]] = Watch(
+            "nomad-allocations",
+            nomad_list_fetch(nomad, "allocations", w, {"resources": "true"}),
+            on_change=self.wake,
+        )
+        self.evals: Watch[tuple[dict[str, Any], ...]] = Watch(
+            "nomad-evaluations", nomad_list_fetch(nomad, "evaluations", w), on_change=self.wake
+        )
+        # Nodes feed only the admin API and the engine metrics, never a decision, so a change
+        # there does not wake a pass and a failing node watch does not stop the leader acting.
+        self.nodes: Watch[tuple[dict[str, Any], ...]] = Watch(
+            "nomad-nodes", nodes_fetch(nomad, w, NodeCache()), on_change=lambda: None
+        )
+        self.models: dict[str, Model] = {}
+        self.definitions_problem = ""
+        self._models_index = -1
+        # The last good models file, to put back if the key disappears (a Consul that lost its
+        # data): without it the routers forget every model and answer 404 until someone
+        # re-applies, while the watchers still know exactly what was defined.
+        self._models_text = b""
+        self._definitions_missing = False
+        self.decisions: dict[str, Decision] = {}
+        self.views: dict[str, ModelView] = {}
+        self.passes = 0
+        self._scaled_at: dict[str, tuple[int, float]] = {}
+        # When each running start first appeared in Nomad's allocations (monotonic; -inf for
+        # those already there at this watcher's first look), and which allocations snapshot
+        # that was read from: a passing check vouches only for a start Consul answered about.
+        self._start_seen: dict[parking.StartId, float] = {}
+        self._starts_from = -1.0
+        self._malformed_reported: set[tuple[str, int]] = set()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._apply_lock = asyncio.Lock()
+        self.leader_changes = 0
+        # Replicas as of the last pass, and since when each has been in its state.
+        self.replicas: list[dict[str, Any]] = []
+        self._replica_since: dict[str, tuple[str, float]] = {}
+        # The engine's own words for a failed start, read once per start.
+        self.engine_errors = EngineErrors(nomad, self.config.stderr_wait_s)
+        # States written under the leader's lock, and the actions that write them.
+        self.states = FencedStates(consul, self.leadership)
+        self.actor = Actor(
+            nomad, self.leadership, self.states, self.engine_errors, self.nodes, self.allocs, clock
+        )
+
+    # Lifecycle
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def _leader_changed(self, leading: bool) -> None:
+        self.leader_changes += 1
+        # A new leader reads the catalog before correcting it; a deposed one forgets its cache.
+        self.health.forget()
+        self.states.forget()
+        self.wake()
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        # Four Nomad long polls hold a thread each for their whole wait; leave room for the
+        # short calls (scale, register, logs) beside them.
+        loop.set_default_executor(ThreadPoolExecutor(max_workers=16, thread_name_prefix="llmgw-nomad"))
+        for coro in (
+            self.leadership.run(),
+            self.kv.run(),
+            self.engines.run(),
+            self.jobs.run(),
+            self.allocs.run(),
+            self.evals.run(),
+            self.nodes.run(),
+            self._loop(),
+        ):
+            self._tasks.append(asyncio.create_task(coro))
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+        await self.leadership.resign()
+
+    async def _loop(self) -> None:
+        while True:
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a cancel that
+            # lands as the event fires, and stop() then waits forever on this task.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.config.tick_s):
+                    await self._wake.wait()
+            self._wake.clear()
+            started = time.monotonic()
+            try:
+                await self.run_pass()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                # A bug in one pass must not end the watcher; the next pass starts clean.
+                log.exception("event=pass_failed")
+            # Routers write activity every few seconds per model, so on a big fleet something
+            # always changed; resting as long as the pass took keeps the watcher under half a
+            # core however busy the KV prefix is.
+            await asyncio.sleep(max(self.config.min_pass_interval_s, time.monotonic() - started))
+
+    # Reading snapshots
+
+    def _load_models(self, kv: Mapping[str, KVEntry]) -> None:
+        entry = kv.get(CONFIG_MODELS_KEY)
+        index = entry.modify_index if entry else 0
+        if index == self._models_index:
+            return
+        self._models_index = index
+        if entry is None:
+            if self.models:
+                log.warning(
+                    "event=definitions_missing key=%s keeping=%d", CONFIG_MODELS_KEY, len(self.models)
+                )
+                self._definitions_missing = True
+            return
+        self._definitions_missing = False
+        try:
+            parsed = parse_models(
+                entry.value.decode("utf-8", errors="replace"), f"consul:{CONFIG_MODELS_KEY}"
+            )
+        except SpecError as exc:
+            # Keep serving the last good definitions: a typo must not stop every model.
+            self.definitions_problem = "; ".join(exc.problems)
+            log.error("event=definitions_invalid key=%s problems=%r", CONFIG_MODELS_KEY, exc.problems)
+            return
+        self.definitions_problem = ""
+        self.models = dict(parsed.models)
+        self._models_text = entry.value
+        log.info("event=definitions_loaded models=%d", len(self.models))
+
+    def _state_for(self, model: str, kv: Mapping[str, KVEntry]) -> tuple[ModelState | None, int, str]:
+        key = state_key(model)
+        entry = kv.get(key)
+        index = entry.modify_index if entry else 0
+        written = self.states.pending(model)
+        if written is not None and written[0] > index:
+            return written[1], written[0], ""
+        if entry is None:
+            return None, 0, ""
+        try:
+            return parse_state(key, entry.value), index, ""
+        except MalformedState as exc:
+            if (key, index) not in self._malformed_reported:
+                self._malformed_reported.add((key, index))
+                log.error(
+                    "event=state_malformed model=%s key=%s error=%r action=replace", model, key, str(exc)
+                )
+            return None, index, str(exc)
+
+    def build_views(self) -> dict[str, ModelView]:
+        now = self.clock()
+        kv = self.kv.snapshot.data if self.kv.snapshot else {}
+        self._load_models(kv)
+        jobs = self.jobs.snapshot.data if self.jobs.snapshot else {}
+        allocs_by_job: dict[str, list[dict[str, Any]]] = {}
+        allocs_by_id: dict[str, dict[str, Any]] = {}
+        for a in self.allocs.snapshot.data if self.allocs.snapshot else ():
+            allocs_by_job.setdefault(str(a.get("JobID")), []).append(a)
+            allocs_by_id[str(a.get("ID"))] = a
+        evals_by_job: dict[str, list[dict[str, Any]]] = {}
+        for e in self.evals.snapshot.data if self.evals.snapshot else ():
+            evals_by_job.setdefault(str(e.get("JobID")), []).append(e)
+
+        self._note_starts()
+        engines_at = self.engines.snapshot.taken_at if self.engines.snapshot else 0.0
+        ready: dict[str, int] = {}
+        # The starts passing their check now: a fact of these snapshots, not a memory. Which
+        # start was ever healthy outlives it only through the model's stored count (baseline).
+        passing_starts: set[parking.StartId] = set()
+        for entry in self.engines.snapshot.data if self.engines.snapshot else ():
+            if not passing(entry):
+                continue
+            engine_model = entry_model(entry)
+            ready[engine_model] = ready.get(engine_model, 0) + 1
+            alloc_id = entry_alloc_id(entry)
+            alloc = allocs_by_id.get(alloc_id) if alloc_id else None
+            if alloc is not None:
+                start = parking.current_start(alloc)
+                # Consul's answer may predate Nomad's: an engine restarted in place has a new
+                # start while Consul still shows the old one's passing check.
+                if start is not None and self._start_seen.get(start, engines_at) < engines_at:
+                    passing_starts.add(start)
+        healthy = frozenset(passing_starts)
+
+        in_flight, busy, grace = requests_in_flight(kv, now, self.config.activity_interval_s)
+        views: dict[str, ModelView] = {}
+        for name, model in self.models.items():
+            job = jobs.get(model.job_id)
+            _, count = job_group(job)
+            seen = self._scaled_at.get(model.job_id)
+            if seen is None or seen[0] != count:
+                # First sight after a start counts as "just scaled", which only delays a
+                # scale-down by one idle timeout; never the other way round.
+                self._scaled_at[model.job_id] = seen = (count, now)
+            state, index, problem = self._state_for(name, kv)
+            activity_entry = kv.get(f"{ACTIVITY_PREFIX}{name}")
+            views[name] = ModelView(
+                model=model,
+                job=job,
+                allocs=tuple(allocs_by_job.get(model.job_id, ())),
+                evals=tuple(evals_by_job.get(model.job_id, ())),
+                ready=ready.get(name, 0),
+                healthy_starts=healthy,
+                state=state,
+                state_index=index,
+                state_problem=problem,
+                activity=parse_activity(activity_entry.value, now) if activity_entry else None,
+                scaled_at=seen[1],
+                now=now,
+                in_flight=in_flight.get(name, 0),
+                busy_replicas=len(busy.get(name, ())),
+                activity_grace_s=grace,
+            )
+        return views
+
+    async def _forget_gone_routers(self) -> None:
+        now = self.clock()
+        if now - self._routers_checked_at < INFLIGHT_FORGET_AFTER_S / 60:
+            return
+        self._routers_checked_at = now
+        await forget_gone_routers(self.consul, self.kv.snapshot.data if self.kv.snapshot else {}, now)
+
+    def _note_starts(self) -> None:
+        """Remember when each running start first showed in Nomad's allocations."""
+        snap = self.allocs.snapshot
+        if snap is None or snap.taken_at == self._starts_from:
+            return
+        first = self._starts_from < 0
+        seen: dict[parking.StartId, float] = {}
+        for alloc in snap.data:
+            start = parking.current_start(alloc)
+            if start is not None:
+                seen[start] = self._start_seen.get(start, float("-inf") if first else snap.taken_at)
+        self._start_seen, self._starts_from = seen, snap.taken_at
+
+    def ready_to_act(self) -> bool:
+        """Act only on a complete picture: a watcher that has not yet read Nomad's allocations
+        would see no failures and no replicas, and register or scale on that."""
+        watches = (self.kv, self.engines, self.jobs, self.allocs, self.evals)
+        return all(w.snapshot is not None and w.ok for w in watches)
+
+    # The pass
+
+    async def _restore_definitions(self) -> None:
+        # cas=0 writes only if the key is still absent, so an operator's apply in the meantime
+        # always wins over this copy.
+        try:
+            restored = await self.consul.kv_put(CONFIG_MODELS_KEY, self._models_text, cas=0)
+        except ConsulError as exc:
+            log.warning("event=definitions_restore_failed key=%s error=%r", CONFIG_MODELS_KEY, str(exc))
+            return
+        self._definitions_missing = False
+        if restored:
+            log.warning("event=definitions_restored key=%s models=%d", CONFIG_MODELS_KEY, len(self.models))
+
+    async def run_pass(self) -> None:
+        views = self.build_views()
+        decisions = {name: reconcile(v, self.config.max_start_failures) for name, v in views.items()}
+        parks = {
+            (a.alloc_id, a.task, a.failures)
+            for d in decisions.values()
+            for a in d.actions
+            if isinstance(a, Park)
+        }
+        for name, d in decisions.items():
+            decisions[name] = await self.engine_errors.telling(d, views[name])
+        self.engine_errors.keep_only(parks)
+        self.views, self.decisions = views, decisions
+        self.replicas = self._build_replicas(views)
+        self.passes += 1
+        if not self.leadership.is_leader or not self.ready_to_act():
+            return
+        if self._definitions_missing and self._models_text:
+            await self._restore_definitions()
+        async with self._apply_lock:
+            for name, d in decisions.items():
+                self._log_placement(d)
+                if not self.leadership.is_leader:
+                    return
+                try:
+                    decisions[name] = await self.actor.apply_decision(self.models[d.model], d, views[name])
+                except LeaseLost as exc:
+                    log.warning("event=actions_stopped model=%s reason=%r", d.model, str(exc))
+                    return
+            await self._forget_gone_routers()
+            try:
+                # Within the lease: a Consul that hangs must not hold the pass, and with it the
+                # next leader-only step, past the moment this watcher may still act.
+                async with asyncio.timeout(max(0.1, self.leadership.lease_left())):
+                    await self.health.sync(
+                        {n: Entry(d.health, d.health_output) for n, d in decisions.items()}
+                    )
+            except (ConsulError, TimeoutError) as exc:
+                self.health.forget()
+                log.warning("event=health_sync_failed error=%r", str(exc) or type(exc).__name__)
+
+    def _build_replicas(self, views: Mapping[str, ModelView]) -> list[dict[str, Any]]:
+        replicas, self._replica_since = list_replicas(
+            views,
+            self.engines.snapshot.data if self.engines.snapshot else (),
+            self.allocs.snapshot.data if self.allocs.snapshot else (),
+            self._replica_since,
+            self.clock(),
+        )
+        return replicas
+
+    def _log_placement(self, d: Decision) -> None:
+        if d.state.unplaceable:
+            if self.warnings.should_log(d.model, d.state.placement_reason):
+                log.warning(
+                    "event=unplaceable model=%s eval=%s reason=%r",
+                    d.model,
+                    d.state.placement_eval,
+                    d.state.placement_reason,
+                )
+        else:
+            self.warnings.clear(d.model)
+
+    # Admin operations
+
+    async def retry(self, model: str) -> ModelState:
+        """`llmgw ctl retry`: clear the count and unpark; the next pass restores replicas."""
+        if not self.leadership.is_leader:
+            raise NotLeader(self.leadership.leader)
+        views = self.build_views()
+        if model not in views:
+            raise UnknownModel(model)
+        view = views[model]
+        state = retried(view)
+        if not await self.states.write(model, state, view.state_index):
+            raise ConsulUnavailable(f"could not write {state_key(model)}; try again")
+        log.info("event=retried model=%s", model)
+        self.wake()
+        return state

@@ -1,0 +1,118 @@
+"""Replicas as the watcher lists them (`GET /v1/admin/replicas`, `ctl replicas`), and the reading
+of Consul's engine entries that the listing and the pass share: which model an entry serves,
+whether it passes, and which Nomad allocation it is."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from nomad_driver.watcher.reconcile import ModelView
+
+_ALLOC_ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+
+# Alloc ID -> (state, since): when each replica entered the state it was last listed in.
+Since = dict[str, tuple[str, float]]
+
+
+def passing(entry: Mapping[str, Any]) -> bool:
+    checks = entry.get("Checks")
+    return isinstance(checks, list) and all(
+        isinstance(c, dict) and c.get("Status") == "passing" for c in checks
+    )
+
+
+def entry_model(entry: Mapping[str, Any]) -> str:
+    svc = entry.get("Service")
+    if not isinstance(svc, dict):
+        return ""
+    meta = svc.get("Meta")
+    if isinstance(meta, dict) and meta.get("model"):
+        return str(meta["model"])
+    for tag in svc.get("Tags") or []:
+        if isinstance(tag, str) and tag.startswith("model="):
+            return tag[len("model=") :]
+    return ""
+
+
+def entry_alloc_id(entry: Mapping[str, Any]) -> str | None:
+    """The Nomad allocation an engine entry belongs to, from the ID Nomad gave the service."""
+    svc = entry.get("Service") or {}
+    found = _ALLOC_ID.search(str(svc.get("ID", "")))
+    return found.group(0) if found else None
+
+
+def alloc_time(alloc: Mapping[str, Any], state: str) -> float | None:
+    """When Nomad says the allocation entered `state`: its engine's last start, or for a failed
+    one its last change. Unix seconds."""
+    if state == "failed":
+        stamp = alloc.get("ModifyTime")
+    else:
+        starts = [
+            e.get("Time")
+            for ts in (alloc.get("TaskStates") or {}).values()
+            if isinstance(ts, dict)
+            for e in ts.get("Events") or []
+            if isinstance(e, dict) and e.get("Type") == "Started"
+        ]
+        stamp = max((s for s in starts if isinstance(s, int)), default=None) or alloc.get("CreateTime")
+    return stamp / 1e9 if isinstance(stamp, int) and stamp > 0 else None
+
+
+def list_replicas(
+    views: Mapping[str, ModelView],
+    engines: Iterable[Mapping[str, Any]],
+    allocs: Iterable[Mapping[str, Any]],
+    previous: Since,
+    now: float,
+) -> tuple[list[dict[str, Any]], Since]:
+    """Every replica of every defined model: placed and live (ready or starting), or failed
+    and waiting for Nomad to restart or replace it; and since when each is in its state, to
+    pass back in next time."""
+    by_job = {v.model.job_id: name for name, v in views.items()}
+    passing_by_alloc: dict[str, Mapping[str, Any]] = {}
+    for entry in engines:
+        alloc_id = entry_alloc_id(entry)
+        if alloc_id and passing(entry):
+            passing_by_alloc[alloc_id] = entry
+    out: list[dict[str, Any]] = []
+    seen: Since = {}
+    for a in allocs:
+        model = by_job.get(str(a.get("JobID")))
+        alloc_id = str(a.get("ID", ""))
+        if model is None or a.get("DesiredStatus") != "run":
+            continue
+        client = a.get("ClientStatus")
+        if client in ("pending", "running"):
+            state = "ready" if alloc_id in passing_by_alloc else "starting"
+        elif client == "failed" and not a.get("NextAllocation"):
+            state = "failed"
+        else:
+            continue
+        held = previous.get(alloc_id)
+        if held is not None and held[0] == state:
+            since = held[1]
+        elif held is None:
+            # First sight (a watcher just started): Nomad's own time is nearer the truth.
+            since = alloc_time(a, state) or now
+        else:
+            since = now
+        seen[alloc_id] = (state, since)
+        svc = (passing_by_alloc.get(alloc_id) or {}).get("Service") or {}
+        address = f"{svc.get('Address')}:{svc.get('Port')}" if svc.get("Address") else ""
+        out.append(
+            {
+                "model": model,
+                "alloc_id": alloc_id,
+                "node": str(a.get("NodeName") or ""),
+                "node_id": str(a.get("NodeID") or ""),
+                "address": address,
+                "state": state,
+                "ready": state == "ready",
+                "since": since,
+                "last_request_at": views[model].activity,
+            }
+        )
+    out.sort(key=lambda r: (r["model"], r["node"], r["alloc_id"]))
+    return out, seen

@@ -1,0 +1,103 @@
+"""The rooms of the product and what each may import (docs/design.md, "Rooms"): the root of
+nomad_driver holds the contracts and clients every room shares; the watcher, the node agent and
+the router each build on those alone; only the CLI knows them all. An import across that line
+makes a room drag in another's dependencies (the router loading the watcher's server) or lets
+one process start depending on another's internals, so each is refused here, naming the file
+and line."""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PRODUCT = ("nomad_driver", "router")
+
+ROOMS = ("nomad_driver.watcher", "nomad_driver.cli", "nomad_driver.node_agent")
+
+# Room -> the modules it must not import (a prefix covers the package and everything in it).
+FORBIDDEN: dict[str, tuple[str, ...]] = {
+    "router": (*ROOMS, "devstack"),
+    "nomad_driver.watcher": ("nomad_driver.cli", "nomad_driver.node_agent", "router", "devstack"),
+    "nomad_driver.node_agent": ("nomad_driver.cli", "nomad_driver.watcher", "router", "devstack"),
+    "nomad_driver.cli": ("devstack",),
+    # The root: contracts and clients, which every room imports, so they import no room.
+    "nomad_driver": (*ROOMS, "router", "devstack"),
+}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports_of(path: Path) -> Iterator[tuple[str, int]]:
+    """(absolute module name, line) of every import in the file, those inside functions too."""
+    module = module_name(path)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, node.lineno
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join([*base, *([node.module] if node.module else [])])
+            else:
+                target = node.module or ""
+            yield target, node.lineno
+            # `from nomad_driver import cli` imports the room as surely as `import nomad_driver.cli`.
+            for alias in node.names:
+                yield f"{target}.{alias.name}", node.lineno
+
+
+def room_of(module: str) -> str:
+    """The most specific room in FORBIDDEN that holds `module`."""
+    return max((r for r in FORBIDDEN if module == r or module.startswith(r + ".")), key=len)
+
+
+def _within(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+def violations() -> list[str]:
+    found = []
+    for top in PRODUCT:
+        for path in sorted((ROOT / top).rglob("*.py")):
+            room = room_of(module_name(path))
+            flagged: set[int] = set()
+            for target, line in imports_of(path):
+                if _within(target, room) or line in flagged:
+                    continue  # a room's own modules, or a line already named
+                for banned in FORBIDDEN[room]:
+                    if _within(target, banned):
+                        found.append(f"{path.relative_to(ROOT)}:{line}: {room} imports {target}")
+                        flagged.add(line)
+                        break
+    return found
+
+
+def test_each_room_imports_only_what_it_may() -> None:
+    found = violations()
+    assert not found, "imports across rooms (docs/design.md, Rooms):\n" + "\n".join(found)
+
+
+def test_the_import_walk_sees_the_imports_it_judges() -> None:
+    """The rule above is only as good as this reading of the files: it must find these."""
+    found = {
+        (module_name(p), target)
+        for top in PRODUCT
+        for p in (ROOT / top).rglob("*.py")
+        for target, _ in imports_of(p)
+    }
+    # A plain import, one inside a function, and one of each room the CLI is allowed to use.
+    assert ("router.discovery", "nomad_driver.blocking") in found
+    assert ("nomad_driver.cli.app", "router.server") in found
+    assert ("nomad_driver.cli.watcher", "nomad_driver.watcher.loop") in found
+    assert ("nomad_driver.cli.app", "nomad_driver.node_agent.agent") in found
+    assert room_of("nomad_driver.watcher.loop") == "nomad_driver.watcher"
+    assert room_of("nomad_driver.render") == "nomad_driver"
+    assert room_of("router.app") == "router"
