@@ -1,5 +1,5 @@
 """A non-streamed answer built from a stream, for engines that cannot stop a non-streamed
-completion whose client left.
+completion whose client left (llama-cpp-python, and llama-server while it is busy).
 
 llama-cpp-python's server generates a non-streamed completion in a worker thread that never
 looks at the connection: a client that hangs up after a second still costs the engine its whole
@@ -18,17 +18,26 @@ import aiohttp
 from router.errors import RouterError
 from router.proxy import EventTooLarge, StreamBroken, read_events
 
-# Engines that finish a non-streamed completion whoever listens. llama-server polls the
-# connection while it waits for the result (tools/server/server-context.cpp, checked with the
-# real binary in tests/router/test_assembled_answers.py) and vLLM's OpenAI server cancels the
-# handler on disconnect, so their answers pass through untouched, as do those of replicas
-# without a definition: what their engine does is not known.
-ASSEMBLED_ENGINES = frozenset({"llama-cpp-python"})
+# Engines that finish a non-streamed completion whoever listens. llama-server does look at the
+# connection while it waits for a non-streamed result, but only when a one-second wait for
+# results times out (server_response_reader::next in tools/server/server-queue.cpp), and every
+# result of any other request (another slot's stream, a /slots or /metrics read) wakes that
+# wait first: on an engine with anything else going on, a non-streamed answer whose client
+# left runs to its end (measured: 20 s and counting at 700 tokens/s while /slots was read five
+# times a second; cancelled within a second once nothing else happened). Its streams check the
+# connection at every token. vLLM's OpenAI server cancels the handler on disconnect, so its
+# answers pass through untouched, as do those of replicas without a definition: what their
+# engine does is not known.
+ASSEMBLED_ENGINES = frozenset({"llama-cpp-python", "llama.cpp"})
 ASSEMBLED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 # Said on an assembled answer whose usage the router counted itself, because the engine's
 # stream carried none (llama-cpp-python ignores `stream_options`): the completion tokens are
 # the tokens streamed, and the prompt's tokens are not known.
 USAGE_COUNTED = (b"x-llmgw-usage", b"counted")
+# What an OpenAI stream chunk has; anything else is the engine's own.
+CHUNK_FIELDS = frozenset(
+    {"id", "object", "created", "model", "system_fingerprint", "choices", "usage", "error"}
+)
 
 
 def needs_stream(engine: str | None, path: str, request: dict[str, Any]) -> bool:
@@ -55,6 +64,9 @@ class Assembler:
         self.head: dict[str, Any] = {}
         self.choices: dict[int, _Choice] = {}
         self.usage: dict[str, Any] | None = None
+        # Fields an engine adds of its own (llama-server's `timings`), as last sent: its
+        # non-streamed answer carries them too, and clients that read them expect them.
+        self.extra: dict[str, Any] = {}
         self.error: dict[str, Any] | None = None
         self.done = False
 
@@ -87,6 +99,9 @@ class Assembler:
         usage = chunk.get("usage")
         if isinstance(usage, dict):
             self.usage = usage
+        for key, value in chunk.items():
+            if key not in CHUNK_FIELDS:
+                self.extra[key] = value
         for choice in chunk.get("choices") or ():
             if not isinstance(choice, dict):
                 continue
@@ -120,6 +135,8 @@ class Assembler:
         else:
             tokens = sum(choice.tokens for choice in self.choices.values())
             body["usage"] = {"prompt_tokens": 0, "completion_tokens": tokens, "total_tokens": tokens}
+        for key, value in self.extra.items():
+            body.setdefault(key, value)
         return body, counted
 
 

@@ -151,9 +151,11 @@ def test_llama_server_stops_a_non_streamed_answer_whose_client_left(
     start_router: StartRouter,
     tmp_path: Path,
 ) -> None:
-    """llama.cpp's llama-server polls the connection while it waits for a non-streamed
-    result, so its answers pass through untouched and a client that leaves still costs
-    nothing: its one slot is free again at once."""
+    """llama-server looks at the connection of a non-streamed request only when nothing else
+    happens on the engine for a second, and this test reads /slots all the time, as a busy
+    engine's other requests would wake it: passed through, the answer ran on for nobody. So the
+    router asks for a stream and assembles it, and a client that leaves still costs nothing:
+    the one slot is free again at once."""
     gguf = make_gguf()
     # One slot, and room to generate far past the tiny model's trained context.
     engine = llama_cpp_server(
@@ -174,12 +176,15 @@ def test_llama_server_stops_a_non_streamed_answer_whose_client_left(
     body = {
         "model": MODEL,
         "messages": [{"role": "user", "content": "tell me a long story"}],
-        "max_tokens": 4000,
+        # Far more than the engine makes before the client leaves: llama-server writes a few
+        # thousand tokens a second of the tiny model when the machine is quiet, so a shorter
+        # answer can end before the client leaves, and then there is nothing to cancel.
+        "max_tokens": 200_000,
         "temperature": 1.0,
         "logit_bias": LONG_ASCII_ANSWER,
     }
     answer = httpx.post(f"{router.url}/v1/chat/completions", json={**body, "max_tokens": 8}, timeout=30)
-    # Passed through: the engine's own answer, with the usage only it knows.
+    # Assembled, with the usage the engine streamed (it honours stream_options), not counted.
     assert answer.status_code == 200 and "x-llmgw-usage" not in answer.headers
     assert answer.json()["usage"]["prompt_tokens"] > 0
 
@@ -193,6 +198,6 @@ def test_llama_server_stops_a_non_streamed_answer_whose_client_left(
     leaving.start()
     wait_until(generating, 3, "llama-server to start on the long answer")
     leaving.join()
-    # 4000 tokens take this engine minutes here; a slot free within seconds was cancelled.
+    # 200,000 tokens take this engine minutes; a slot free within seconds was cancelled.
     wait_until(lambda: not generating(), 5, "llama-server to free its slot")
     router.expect_metric("llmgw_router_requests_total", 1, model=MODEL, code="499")
