@@ -4,15 +4,20 @@ and CPU from /proc, finding processes by their command line. psutil is not a dep
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
+import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import httpx
+from aiohttp import ClientSession, ClientTimeout, web
 
 from devstack import lifetime
 from devstack.ports import free_port
@@ -147,3 +152,103 @@ def start_standin(
         time.sleep(0.05)
     process.kill()
     raise SystemExit("the stand-in did not start within 30s")
+
+
+class CountingProxy:
+    """A reverse proxy in front of Consul (and the stand-in) that counts what the process behind
+    it asks: every request by upstream, method and path, and the answers, their bytes as they
+    come off the wire (left compressed) and when the last one came in, by upstream and path.
+    Runs its own event loop in a thread."""
+
+    def __init__(self, upstreams: dict[str, str]) -> None:
+        self.upstreams = upstreams
+        self.ports = {name: free_port() for name in upstreams}
+        self.calls: Counter[tuple[str, str, str, bool]] = Counter()
+        # Answers and their bytes, by upstream and path: what a change costs to read.
+        self.answers: Counter[tuple[str, str]] = Counter()
+        self.bytes: Counter[tuple[str, str]] = Counter()
+        self.answered: dict[tuple[str, str], float] = {}  # time.time() of the latest answer
+        self.lock = threading.Lock()
+        self.loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._runner: web.AppRunner | None = None
+
+    def url(self, name: str) -> str:
+        return f"http://127.0.0.1:{self.ports[name]}"
+
+    def start(self) -> CountingProxy:
+        self._thread.start()
+        if not self._ready.wait(10):
+            raise SystemExit("the counting proxy did not start")
+        return self
+
+    def snapshot(self) -> Counter[tuple[str, str, str, bool]]:
+        with self.lock:
+            return Counter(self.calls)
+
+    def bytes_snapshot(self) -> Counter[tuple[str, str]]:
+        with self.lock:
+            return Counter(self.bytes)
+
+    def answers_of(self, name: str, path: str) -> tuple[int, int, float]:
+        """(answers, bytes, time of the latest answer) for one upstream's path."""
+        with self.lock:
+            key = (name, path)
+            return self.answers[key], self.bytes[key], self.answered.get(key, 0.0)
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self._close(), self.loop).result(15)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(5)
+
+    async def _close(self) -> None:
+        # The session first: a blocking read still held upstream fails at once instead of
+        # holding the runner's cleanup for its whole wait.
+        await self.session.close()
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_until_complete(self._serve())
+        self._ready.set()
+        self.loop.run_forever()
+
+    async def _serve(self) -> None:
+        # Blocking queries hold a request for up to their wait (and Nomad adds jitter).
+        self.session = ClientSession(timeout=ClientTimeout(total=None), auto_decompress=False)
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", self._handle)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        for port in self.ports.values():
+            site = web.TCPSite(self._runner, "127.0.0.1", port)
+            await site.start()
+        self._sites = {port: name for name, port in self.ports.items()}
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        port = request.transport.get_extra_info("sockname")[1] if request.transport else 0
+        name = self._sites.get(port, "")
+        blocking = request.query.get("index", "0") not in ("", "0")
+        with self.lock:
+            self.calls[(name, request.method, request.path, blocking)] += 1
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in ("host", "content-length")}
+        body = await request.read()
+        try:
+            async with self.session.request(
+                request.method, self.upstreams[name] + request.path_qs, headers=headers, data=body or None
+            ) as upstream:
+                data = await upstream.read()
+                with self.lock:
+                    self.answers[(name, request.path)] += 1
+                    self.bytes[(name, request.path)] += len(data)
+                    self.answered[(name, request.path)] = time.time()
+                out = {
+                    k: v
+                    for k, v in upstream.headers.items()
+                    if k.lower() not in ("content-length", "transfer-encoding", "connection")
+                }
+                return web.Response(status=upstream.status, body=data, headers=out)
+        except aiohttp.ClientError as exc:  # the upstream went away (at the end of the run)
+            return web.Response(status=502, text=f"counting proxy: {exc}")

@@ -1,6 +1,7 @@
 """The watcher on a large fleet, measured against its three targets.
 
-    .venv/bin/python bench/watcher_bench.py [--models 1000] [--idle-seconds 60] [--park-trials 3]
+    .venv/bin/python bench/watcher_bench.py [--models 100,1000] [--idle-seconds 60]
+        [--churn-seconds 60] [--park-trials 3]
     .venv/bin/python bench/watcher_bench.py --quick [--models 1000] [--allocs 3] [--passes 5]
 
 The default mode measures the real thing: a Consul dev agent (devstack.consul_agent), the Nomad
@@ -23,7 +24,14 @@ calls are counted (the stand-in keeps no access log). Then:
   200 ms delays; the time from the 5th failed start (the 5th `Terminated` event with exit code
   1, from Nomad) to `parked: true` in `llmgw/state/<model>` (seen by a blocking query on
   Consul) is reported (target: the worst trial under 2 s), beside what one read of Nomad's
-  allocation list costs at this size.
+  allocation list costs at this size;
+- churned: someone else's job whose task exits and is restarted in place about every second is
+  run for `--churn-seconds`: the bytes the watcher reads from Nomad and its CPU, per minute and
+  per change it read (its long poll on the allocations answering), beside the idle minute's.
+
+`--models 100,1000` measures each fleet in turn, on its own Consul and stand-in, and prints them
+side by side with the ratio of the largest to the smallest: the cost of one change should not
+grow with the fleet (target: within 2x from 100 to 1,000 models).
 
 `--quick` builds snapshots of the same size in memory instead (no Consul, Nomad or process),
 sets them on a `Watcher` that does not lead and times full passes with `time.process_time`.
@@ -44,26 +52,25 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import httpx
-from aiohttp import ClientSession, ClientTimeout, web
 
+from nomad_driver.blocking import Reading
 from nomad_driver.consul import Consul, KVEntry
 from nomad_driver.nomad import Nomad
 from nomad_driver.render import render_job
 from nomad_driver.spec import parse_models
 from nomad_driver.state import CONFIG_MODELS_KEY, ModelState, activity_key, state_key
 from nomad_driver.watcher.loop import Watcher, WatcherConfig
-from nomad_driver.watcher.watch import Snapshot
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 
-from bench._support import cpu_seconds, rss_mb, start_standin  # noqa: E402
+from bench._support import CountingProxy, cpu_seconds, rss_mb, start_standin  # noqa: E402
 from devstack import lifetime  # noqa: E402
 from devstack.consul_agent import ConsulAgent  # noqa: E402
 from devstack.ports import free_port  # noqa: E402
@@ -71,6 +78,8 @@ from devstack.ports import free_port  # noqa: E402
 PASS_BUDGET_S = 1.0
 IDLE_CALLS_BUDGET = 100
 PARK_BUDGET_S = 2.0
+# A change's cost may grow this much from the smallest fleet measured to the largest.
+CHANGE_GROWTH_BUDGET = 2.0
 FLEET = REPO / "devstack" / "nodes" / "large-200.yaml"
 FAILING = "bench-fail"  # bench-fail-0, -1, ...: one model per parking trial
 
@@ -118,7 +127,7 @@ def alloc(job_id: str, i: int, j: int, failed: bool) -> dict[str, Any]:
 
 def quick(args: argparse.Namespace) -> int:
     """The synthetic mode: snapshots built in memory, passes timed in this process."""
-    text = models_text(args.models)
+    text = models_text(int(args.models))
     models = parse_models(text, "bench").models
     w = Watcher(Consul("http://127.0.0.1:1"), Nomad("http://127.0.0.1:1"), WatcherConfig())
     kv: dict[str, KVEntry] = {CONFIG_MODELS_KEY: KVEntry(CONFIG_MODELS_KEY, text.encode(), 1)}
@@ -146,11 +155,11 @@ def quick(args: argparse.Namespace) -> int:
         kv[state_key(name)] = KVEntry(state_key(name), ModelState().to_kv(), 10 + i)
         kv[activity_key(name)] = KVEntry(activity_key(name), str(now).encode(), 10 + i)
     t0 = time.monotonic()
-    w.kv.snapshot = Snapshot(1, kv, t0)
-    w.jobs.snapshot = Snapshot(1, jobs, t0)
-    w.allocs.snapshot = Snapshot(1, tuple(allocs), t0)
-    w.evals.snapshot = Snapshot(1, tuple(evals), t0)
-    w.engines.snapshot = Snapshot(1, tuple(engines), t0)
+    w.kv.snapshot = Reading(1, kv, t0)
+    w.jobs.snapshot = Reading(1, jobs, t0)
+    w.allocs.snapshot = Reading(1, tuple(allocs), t0)
+    w.evals.snapshot = Reading(1, tuple(evals), t0)
+    w.engines.snapshot = Reading(1, tuple(engines), t0)
 
     times = []
     for _ in range(args.passes):
@@ -171,74 +180,6 @@ def quick(args: argparse.Namespace) -> int:
 
 
 # ----- the real thing ------------------------------------------------------------------------
-
-
-class CountingProxy:
-    """A reverse proxy in front of Consul and the stand-in that counts every request the watcher
-    makes, by upstream, method and path. Runs its own event loop in a thread."""
-
-    def __init__(self, upstreams: dict[str, str]) -> None:
-        self.upstreams = upstreams
-        self.ports = {name: free_port() for name in upstreams}
-        self.calls: Counter[tuple[str, str, str, bool]] = Counter()
-        self.lock = threading.Lock()
-        self.loop = asyncio.new_event_loop()
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._runner: web.AppRunner | None = None
-
-    def url(self, name: str) -> str:
-        return f"http://127.0.0.1:{self.ports[name]}"
-
-    def start(self) -> CountingProxy:
-        self._thread.start()
-        if not self._ready.wait(10):
-            raise SystemExit("the counting proxy did not start")
-        return self
-
-    def snapshot(self) -> Counter[tuple[str, str, str, bool]]:
-        with self.lock:
-            return Counter(self.calls)
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        self.loop.run_until_complete(self._serve())
-        self._ready.set()
-        self.loop.run_forever()
-
-    async def _serve(self) -> None:
-        # Blocking queries hold a request for up to their wait (and Nomad adds jitter).
-        self.session = ClientSession(timeout=ClientTimeout(total=None), auto_decompress=False)
-        app = web.Application()
-        app.router.add_route("*", "/{tail:.*}", self._handle)
-        self._runner = web.AppRunner(app, access_log=None)
-        await self._runner.setup()
-        for port in self.ports.values():
-            site = web.TCPSite(self._runner, "127.0.0.1", port)
-            await site.start()
-        self._sites = {port: name for name, port in self.ports.items()}
-
-    async def _handle(self, request: web.Request) -> web.StreamResponse:
-        port = request.transport.get_extra_info("sockname")[1] if request.transport else 0
-        name = self._sites.get(port, "")
-        blocking = request.query.get("index", "0") not in ("", "0")
-        with self.lock:
-            self.calls[(name, request.method, request.path, blocking)] += 1
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in ("host", "content-length")}
-        body = await request.read()
-        try:
-            async with self.session.request(
-                request.method, self.upstreams[name] + request.path_qs, headers=headers, data=body or None
-            ) as upstream:
-                data = await upstream.read()
-                out = {
-                    k: v
-                    for k, v in upstream.headers.items()
-                    if k.lower() not in ("content-length", "transfer-encoding", "connection")
-                }
-                return web.Response(status=upstream.status, body=data, headers=out)
-        except aiohttp.ClientError as exc:  # the upstream went away (at the end of the run)
-            return web.Response(status=502, text=f"counting proxy: {exc}")
 
 
 def mock_job(model: Any, config: dict[str, Any], *, keep_checks: bool = False) -> dict[str, Any]:
@@ -379,11 +320,50 @@ def describe_calls(calls: Counter[tuple[str, str, str, bool]]) -> list[str]:
     return out
 
 
-def real(args: argparse.Namespace) -> int:
+CHURN_JOB = "bench-churn"
+
+
+def churn_job() -> dict[str, Any]:
+    """Someone else's job whose one task exits and is restarted in place about every second:
+    one allocation change a second, which every reader of the cluster's allocations pays for."""
+    return {
+        "ID": CHURN_JOB,
+        "Name": CHURN_JOB,
+        "Type": "service",
+        "Datacenters": ["dc1"],
+        "TaskGroups": [
+            {
+                "Name": "work",
+                "Count": 1,
+                "RestartPolicy": {
+                    "Attempts": 100_000,
+                    "Interval": 3_600_000_000_000,
+                    "Delay": 500_000_000,
+                    "Mode": "delay",
+                },
+                "Tasks": [
+                    {
+                        "Name": "work",
+                        "Driver": "mock_driver",
+                        "Config": {"run_for": "500ms", "exit_code": 0},
+                        "Resources": {"CPU": 50, "MemoryMB": 32},
+                    }
+                ],
+            }
+        ],
+    }
+
+
+def nomad_bytes(counts: Counter[tuple[str, str]]) -> int:
+    return sum(n for (name, _), n in counts.items() if name == "nomad")
+
+
+def measure(args: argparse.Namespace, n_models: int) -> dict[str, Any]:
+    """One fleet of `n_models`: its idle minute, its churned minute and its parking trials."""
     # The failing model is defined from the start, running healthy-looking (but never ready) until
     # its job is swapped for one that fails: defining it later would race the watcher, which
     # registers the rendered job of a new definition whose job it has not seen yet.
-    text = models_text(args.models, failing=args.park_trials)
+    text = models_text(n_models, failing=args.park_trials)
     everything = parse_models(text, "bench").models
     failing = [m for name, m in everything.items() if name.startswith(FAILING)]
     models = {name: m for name, m in everything.items() if not name.startswith(FAILING)}
@@ -395,7 +375,7 @@ def real(args: argparse.Namespace) -> int:
         stop = threading.Event()
         try:
             standin, nomad = start_standin(work, FLEET, consul.url)
-            print(f"Consul {consul.url}, stand-in {nomad} on {FLEET.name}")
+            print(f"[{n_models} models] Consul {consul.url}, stand-in {nomad} on {FLEET.name}")
             started = time.monotonic()
             with httpx.Client(base_url=nomad, timeout=30) as http:
                 for model in models.values():
@@ -440,23 +420,33 @@ def real(args: argparse.Namespace) -> int:
 
             wait_for("the watcher to settle", quiet, 120, 0)
 
-            calls0, cpu0, passes0 = (
-                proxy.snapshot(),
-                cpu_seconds(watcher.pid),
-                healthz(admin).get("passes", 0),
-            )
-            t0 = time.monotonic()
-            time.sleep(args.idle_seconds)
-            calls1, cpu1, passes1 = (
-                proxy.snapshot(),
-                cpu_seconds(watcher.pid),
-                healthz(admin).get("passes", 0),
-            )
-            window = time.monotonic() - t0
-            idle = calls1 - calls0
-            per_minute = sum(idle.values()) * 60 / window
-            passes = passes1 - passes0
-            cpu_per_pass = (cpu1 - cpu0) / passes if passes else float("inf")
+            def window(seconds: float) -> dict[str, Any]:
+                calls0, bytes0 = proxy.snapshot(), proxy.bytes_snapshot()
+                cpu0, passes0 = cpu_seconds(watcher.pid), healthz(admin).get("passes", 0)
+                t0 = time.monotonic()
+                time.sleep(seconds)
+                calls1, bytes1 = proxy.snapshot(), proxy.bytes_snapshot()
+                cpu1, passes1 = cpu_seconds(watcher.pid), healthz(admin).get("passes", 0)
+                took = time.monotonic() - t0
+                calls = calls1 - calls0
+                # The changes the watcher read: its long poll on the allocations answering.
+                changes = calls[("nomad", "GET", "/v1/allocations", True)]
+                return {
+                    "seconds": took,
+                    "calls": calls,
+                    "cpu": cpu1 - cpu0,
+                    "passes": passes1 - passes0,
+                    "nomad_bytes": nomad_bytes(bytes1 - bytes0),
+                    "bytes_by_path": bytes1 - bytes0,
+                    "changes": changes,
+                }
+
+            idle = window(args.idle_seconds)
+            httpx.put(f"{nomad}/v1/jobs", json={"Job": churn_job()}, timeout=30).raise_for_status()
+            time.sleep(3)  # its first start, before the window opens
+            churned = window(args.churn_seconds)
+            httpx.delete(f"{nomad}/v1/job/{CHURN_JOB}", timeout=30).raise_for_status()
+            time.sleep(3)
 
             parks = [park_trial(consul.url, nomad, admin, model, stop) for model in failing]
             started = time.perf_counter()
@@ -475,53 +465,129 @@ def real(args: argparse.Namespace) -> int:
             consul.stop()
 
     names = set(models) | {m.job_id for m in models.values()}
-    per_model = sum(n for (_, _, path, _), n in idle.items() if path.rstrip("/").rsplit("/", 1)[-1] in names)
-    print()
-    print(
-        f"Watcher, {len(models)} mock_driver models on {FLEET.name}, real llmgw watcher, {os.cpu_count()} CPUs"
+    idle_calls = idle["calls"]
+    per_model = sum(
+        n for (_, _, path, _), n in idle_calls.items() if path.rstrip("/").rsplit("/", 1)[-1] in names
     )
-    rows = [
-        (
-            "CPU per full pass (idle window)",
-            f"{cpu_per_pass * 1000:.0f} ms",
-            f"< {PASS_BUDGET_S * 1000:.0f} ms",
-        ),
-        ("  passes / CPU in the window", f"{passes} / {(cpu1 - cpu0):.2f} s", ""),
-        ("API calls in an idle minute", f"{per_minute:.0f}", f"< {IDLE_CALLS_BUDGET} (O(1))"),
-        ("5th failure -> parked in KV, worst", f"{max(parks):.2f} s", f"< {PARK_BUDGET_S:.0f} s"),
-        ("  each trial", " ".join(f"{p:.2f}" for p in parks) + " s", ""),
-        (
-            "  one GET /v1/allocations",
-            f"{allocs_read[0] * 1000:.0f} ms",
-            f"{allocs_read[2]} allocations, {allocs_read[1] / 1e6:.1f} MB",
-        ),
-        ("watcher RSS", f"{rss:.0f} MB", ""),
-    ]
-    for name, value, target in rows:
-        print(f"  {name:<34} {value:>16}   {target}")
-    print(f"  idle calls by endpoint over {window:.0f} s (per-model paths: {per_model}):")
-    print("\n".join(describe_calls(idle)))
+    return {
+        "models": len(models),
+        "idle": idle,
+        "churned": churned,
+        "per_model_paths": per_model,
+        "parks": parks,
+        "allocs_read": allocs_read,
+        "rss": rss,
+    }
+
+
+def per_minute(w: Mapping[str, Any], key: str) -> float:
+    return float(w[key]) * 60 / w["seconds"]
+
+
+def per_change(w: Mapping[str, Any], key: str) -> float:
+    return float(w[key]) / w["changes"] if w["changes"] else float("inf")
+
+
+def report(results: list[dict[str, Any]]) -> int:
+    sizes = [r["models"] for r in results]
+    print()
+    print(f"Watcher, mock_driver models on {FLEET.name}, real llmgw watcher, {os.cpu_count()} CPUs")
+    head = "".join(f"{n:>16,}" for n in sizes)
+    ratio_head = f"   {sizes[-1]:,} / {sizes[0]:,}" if len(sizes) > 1 else ""
+    print(f"  {'models':<40}{head}{ratio_head}")
+
+    def row(name: str, values: list[float], fmt: str, *, ratio: bool = False, target: str = "") -> None:
+        cells = "".join(f"{format(v, fmt):>16}" for v in values)
+        extra = ""
+        if ratio and len(values) > 1:
+            extra = f"{values[-1] / values[0]:>10.1f}x" if values[0] else f"{'-':>11}"
+        print(f"  {name:<40}{cells}{extra}   {target}")
+
+    def field(path: tuple[str, ...]) -> list[Any]:
+        out = []
+        for r in results:
+            v: Any = r
+            for k in path:
+                v = v[k]
+            out.append(v)
+        return out
+
+    idle, churned = field(("idle",)), field(("churned",))
+    row("CPU per full pass (idle), ms", [w["cpu"] / max(1, w["passes"]) * 1000 for w in idle], ".0f",
+        target=f"< {PASS_BUDGET_S * 1000:.0f}")  # fmt: skip
+    row("API calls, idle minute", [sum(w["calls"].values()) * 60 / w["seconds"] for w in idle], ".0f",
+        target=f"< {IDLE_CALLS_BUDGET} (O(1))")  # fmt: skip
+    row("Nomad bytes, idle minute, kB", [per_minute(w, "nomad_bytes") / 1e3 for w in idle], ".0f", ratio=True)
+    row("CPU, idle minute, s", [per_minute(w, "cpu") for w in idle], ".2f", ratio=True)
+    row("allocation changes read, churned minute", [per_minute(w, "changes") for w in churned], ".0f")
+    row("Nomad bytes, churned minute, MB", [per_minute(w, "nomad_bytes") / 1e6 for w in churned], ".1f",
+        ratio=True)  # fmt: skip
+    row("CPU, churned minute, s", [per_minute(w, "cpu") for w in churned], ".2f", ratio=True)
+    row("Nomad bytes per change, kB", [per_change(w, "nomad_bytes") / 1e3 for w in churned], ".0f", ratio=True,
+        target="within 2x across sizes")  # fmt: skip
+    row("CPU per change, ms", [per_change(w, "cpu") * 1000 for w in churned], ".1f", ratio=True,
+        target="within 2x across sizes")  # fmt: skip
+    row("5th failure -> parked, worst, s", [max(r["parks"]) for r in results], ".2f",
+        target=f"< {PARK_BUDGET_S:.0f} at every size")  # fmt: skip
+    row("one GET /v1/allocations, ms", [r["allocs_read"][0] * 1000 for r in results], ".0f")
+    row("  its size, MB", [r["allocs_read"][1] / 1e6 for r in results], ".2f", ratio=True)
+    row("watcher RSS, MB", field(("rss",)), ".0f", ratio=True)
+    for r in results:
+        w = r["churned"]
+        spread = sorted(w["bytes_by_path"].items(), key=lambda kv: -kv[1])
+        print(f"  [{r['models']} models] bytes per change read, churned window, by endpoint:")
+        for (name, path), n in spread[:6]:
+            print(f"    {n / max(1, w['changes']) / 1e3:>9.0f} kB  {name:<6} {path}")
+        print(f"  [{r['models']} models] parking trials: " + " ".join(f"{p:.2f}" for p in r["parks"]) + " s")
+        print(f"  [{r['models']} models] idle calls by endpoint (per-model paths: {r['per_model_paths']}):")
+        print("\n".join(describe_calls(r["idle"]["calls"])))
+
     failures = []
-    if passes == 0:
-        failures.append("no pass ran in the idle window; give --idle-seconds at least 10")
-    elif cpu_per_pass >= PASS_BUDGET_S:
-        failures.append("a full pass costs too much CPU")
-    if per_minute >= IDLE_CALLS_BUDGET or per_model:
-        failures.append("an idle minute costs too many calls")
-    if max(parks) >= PARK_BUDGET_S:
-        failures.append("parking took too long")
+    for r in results:
+        w, n = r["idle"], r["models"]
+        if w["passes"] == 0:
+            failures.append(f"{n} models: no pass ran in the idle window; give --idle-seconds at least 10")
+        elif w["cpu"] / w["passes"] >= PASS_BUDGET_S:
+            failures.append(f"{n} models: a full pass costs too much CPU")
+        if sum(w["calls"].values()) * 60 / w["seconds"] >= IDLE_CALLS_BUDGET or r["per_model_paths"]:
+            failures.append(f"{n} models: an idle minute costs too many calls")
+        if max(r["parks"]) >= PARK_BUDGET_S:
+            failures.append(f"{n} models: parking took too long")
+        if r["churned"]["changes"] == 0:
+            failures.append(f"{n} models: the watcher read no allocation change in the churned window")
+    if len(results) > 1:
+        first, last = results[0]["churned"], results[-1]["churned"]
+        for key, what in (("nomad_bytes", "Nomad bytes"), ("cpu", "CPU")):
+            grew = per_change(last, key) / per_change(first, key) if per_change(first, key) else float("inf")
+            if grew > CHANGE_GROWTH_BUDGET:
+                failures.append(
+                    f"{what} per allocation change grew {grew:.1f}x from {sizes[0]} to {sizes[-1]} models "
+                    f"(target: within {CHANGE_GROWTH_BUDGET:.0f}x)"
+                )
     for failure in failures:
         print(f"MISSED: {failure}")
     return 1 if failures else 0
 
 
+def real(args: argparse.Namespace) -> int:
+    sizes = [int(n) for n in str(args.models).split(",") if n.strip()]
+    return report([measure(args, n) for n in sizes])
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="synthetic snapshots in memory, no processes")
-    ap.add_argument("--models", type=int, default=1000)
+    ap.add_argument(
+        "--models",
+        default="1000",
+        help="fleet sizes, comma-separated (100,1000 compares them); --quick takes one",
+    )
     ap.add_argument("--allocs", type=int, default=3, help="--quick: allocations per model")
     ap.add_argument("--passes", type=int, default=5, help="--quick: passes to time")
     ap.add_argument("--idle-seconds", type=float, default=60.0)
+    ap.add_argument(
+        "--churn-seconds", type=float, default=60.0, help="the window with one allocation change a second"
+    )
     ap.add_argument(
         "--park-trials", type=int, default=3, help="failing models to time parking on, one by one"
     )

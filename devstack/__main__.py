@@ -40,7 +40,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
         default=os.environ.get("LLMGW_DEVSTACK_TINY", "") not in ("", "0", "false"),
         help="serve a tiny generated GGUF instead of Gemma 3 270M (nothing is downloaded)",
     )
-    up.add_argument("--nodes", type=Path, default=stack.fleet.SMALL_FLEET, help="the simulated fleet (YAML)")
+    up.add_argument("--nodes", type=Path, default=stack.fleet.DEMO_FLEET, help="the simulated fleet (YAML)")
     up.add_argument(
         "--models", type=Path, default=stack.demo_models.TEMPLATE, help="models template (demo-models.yaml)"
     )

@@ -24,6 +24,8 @@ from devstack.llama_cpp import install_llama_cpp
 ENGINE = "llama-cpp-python"
 ENGINE_VERSION = "0.3.36"
 SMALL_FLEET = Path(__file__).resolve().parent / "nodes" / "small.yaml"
+# The small fleet and two nodes of one fabric, entirely free for the demo's two-shard replica.
+DEMO_FLEET = Path(__file__).resolve().parent / "nodes" / "demo.yaml"
 
 
 def install_engines(engines_dir: Path, venv: Path | None = None) -> Path:
@@ -57,8 +59,8 @@ GENERAL_NODE: dict[str, Any] = {
 
 def effective_nodes(fleet: Path, engines_dir: Path, out: Path, *, gpu_pool: str = "") -> Path:
     """The fleet file with every node's `llmgw_engines_dir` pointing at `engines_dir`; with
-    `gpu_pool`, the nodes that have GPUs are moved into that pool and a general node without
-    GPUs is added in `default`."""
+    `gpu_pool`, the nodes that have GPUs and name no pool of their own are moved into that pool
+    and a general node without GPUs is added in `default`."""
     data: Any = yaml.safe_load(fleet.read_text())
     nodes = data.get("nodes") if isinstance(data, dict) else data
     if not isinstance(nodes, list):
@@ -66,7 +68,7 @@ def effective_nodes(fleet: Path, engines_dir: Path, out: Path, *, gpu_pool: str 
     for node in nodes:
         if isinstance(node, dict):
             node.setdefault("meta", {})["llmgw_engines_dir"] = str(engines_dir.resolve())
-            if gpu_pool and node.get("gpus"):
+            if gpu_pool and node.get("gpus") and node.get("node_pool") in (None, "", "default"):
                 node["node_pool"] = gpu_pool
     if gpu_pool:
         nodes.append({**GENERAL_NODE, "meta": dict(GENERAL_NODE["meta"])})

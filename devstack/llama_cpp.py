@@ -13,6 +13,7 @@ import os
 import subprocess
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from devstack.llama_engine import LlamaServer, start_logged
 from devstack.ports import free_port
@@ -96,3 +97,18 @@ def start_rpc_server(
     cmd = [str(program("ggml-rpc-server")), "--host", host, "--port", str(port)]
     proc, out, _err = start_logged(cmd, "ggml-rpc-server", port, log_dir, die_with_parent, "llmgw-llama-cpp-")
     return proc, port, out
+
+
+def llama_cpp_node(name: str, engines: Path, **meta: str) -> dict[str, Any]:
+    """A stand-in node with llama.cpp b6500 installed under `engines` (and `meta` added)."""
+    return {
+        "name": name,
+        "datacenter": "dc1",
+        "cpu_mhz": 16000,
+        "cpu_cores": 8,
+        "memory_mib": 65536,
+        "disk_mb": 100000,
+        "attributes": {"driver.raw_exec": "1"},
+        "meta": {"llmgw_engines_dir": str(engines), "llmgw_engine_llama_cpp": "b6500", **meta},
+        "gpus": [],
+    }

@@ -40,6 +40,7 @@ DEFAULT_CACHED_BIN = Path.home() / ".cache" / "llmgw" / "prometheus-server" / "u
 # few seconds; Prometheus itself costs little at three targets.
 DEV_INTERVAL = "5s"
 DEFAULT_ALERT_FOR = "20s"
+RULES_FILE = "llmgw-alerts.yml"  # the generated rules, beside the generated configuration
 # The alerts the demo's two incidents bring to firing, as (alert, model).
 DEMO_ALERTS = (
     ("LlmgwModelParked", "kev-0.5b"),
@@ -101,12 +102,15 @@ def rules_with_for(rules_text: str, for_: str, source: str = "llmgw-alerts.yml")
     return header + yaml.safe_dump(doc, sort_keys=False, width=100)
 
 
-def dev_config(config_text: str, *, consul_addr: str, rules_file: Path, interval: str = DEV_INTERVAL) -> str:
-    """The shipped scrape configuration pointed at this stack's Consul and rule file."""
+def dev_config(config_text: str, *, consul_addr: str, interval: str = DEV_INTERVAL) -> str:
+    """The shipped scrape configuration pointed at this stack's Consul, with the generated rules
+    (RULES_FILE) beside it."""
     doc = yaml.safe_load(config_text)
     server = consul_addr.removeprefix("http://").removeprefix("https://").rstrip("/")
     doc.setdefault("global", {}).update({"scrape_interval": interval, "evaluation_interval": interval})
-    doc["rule_files"] = [str(rules_file)]
+    # Relative, as in the shipped file: Prometheus's alert page heads each group with the path
+    # written here, and the demo's page should read as an operator's does.
+    doc["rule_files"] = [RULES_FILE]
     for job in doc.get("scrape_configs") or []:
         for sd in job.get("consul_sd_configs") or []:
             sd["server"] = server
@@ -169,19 +173,20 @@ def start(
     binary = find_prometheus_binary()
     state_dir.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(state_dir / "data", ignore_errors=True)  # a new stack starts with no history
-    rules = state_dir / "llmgw-alerts.yml"
+    rules = state_dir / RULES_FILE
     rules.write_text(
         rules_with_for(SHIPPED_RULES.read_text(), alert_for, str(SHIPPED_RULES.relative_to(REPO)))
     )
     config = state_dir / "prometheus.yml"
-    config.write_text(dev_config(SHIPPED_CONFIG.read_text(), consul_addr=consul_url, rules_file=rules))
+    config.write_text(dev_config(SHIPPED_CONFIG.read_text(), consul_addr=consul_url))
     assets = web_assets(binary)
     last = ""
     for _ in range(3):  # a free port may be taken before Prometheus binds it
         port = free_port()
         argv = [
             binary,
-            f"--config.file={config}",
+            # Relative to its directory (the cwd), so that the rule file's path is too.
+            f"--config.file={config.name}",
             f"--storage.tsdb.path={state_dir / 'data'}",
             f"--web.listen-address=127.0.0.1:{port}",
             "--storage.tsdb.retention.time=1d",

@@ -5,7 +5,9 @@ them: the HCL goes through Nomad's `/v1/jobs/parse` (the stand-in's parser for l
 jobspecs, Nomad's own with a real agent) and is registered with `PUT /v1/jobs`. The watchers'
 admin ports are Nomad's dynamic ports, so they are found where everything else is found: in
 Consul, as the passing instances of `llmgw-watcher`. `--services process` runs the same three
-commands as plain child processes instead, for when the Nomad in use cannot run raw_exec.
+commands as plain child processes instead, for when the Nomad in use cannot run raw_exec; the
+stack then puts their services in Consul itself, as the jobs declare them (same names, tags and
+checks), so that Prometheus finds them there either way.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any
 import httpx
 
 from devstack import processes
+from devstack.nomad.jobspec import parse_jobspec
 from devstack.ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -147,7 +150,6 @@ def start_as_jobs(
     }
     router_vars = {
         "venv": str(venv),
-        "nomad_addr": nomad_url,
         "consul_addr": consul_url,
         "port": router_port,
         "node_pool": node_pool,
@@ -174,6 +176,41 @@ def start_as_jobs(
     return services
 
 
+def job_service(job_id: str, variables: Mapping[str, object]) -> dict[str, Any]:
+    """The one service the local job declares (API JSON: Name, Tags, Checks), read from its HCL
+    by the stand-in's parser, so that a process registers exactly what the job would."""
+    hcl = LOCAL_JOBS / f"{job_id}.nomad.hcl"
+    job = parse_jobspec(hcl.read_text(), dict(variables))
+    (group,) = job["TaskGroups"]
+    (service,) = group["Services"]
+    return dict(service)
+
+
+def register_service(consul_url: str, service: Mapping[str, Any], instance: str, port: int) -> None:
+    """`service` (from job_service) in the local Consul agent for a process on 127.0.0.1:`port`,
+    with its HTTP checks, as Nomad registers it for an allocation."""
+    checks = [
+        {
+            "Name": f"{service['Name']} {check.get('Type', 'http')} check",
+            "HTTP": f"http://127.0.0.1:{port}{check['Path']}",
+            "Interval": f"{int(check['Interval']) // 1_000_000}ms",
+            "Timeout": f"{int(check['Timeout']) // 1_000_000}ms",
+        }
+        for check in service.get("Checks") or []
+    ]
+    body = {
+        "ID": f"{service['Name']}-{instance}",
+        "Name": service["Name"],
+        "Tags": list(service.get("Tags") or []),
+        "Address": "127.0.0.1",
+        "Port": port,
+        "Checks": checks,
+    }
+    resp = httpx.put(f"{consul_url}/v1/agent/service/register", json=body, timeout=10)
+    if resp.status_code != 200:
+        raise ServiceError(f"registering {body['ID']} in Consul: {resp.status_code} {resp.text.strip()}")
+
+
 def start_as_processes(
     *,
     nomad_url: str,
@@ -188,6 +225,11 @@ def start_as_processes(
 ) -> Services:
     llmgw = str(venv / "bin" / "llmgw")
     env = {**os.environ, "NOMAD_ADDR": nomad_url, "CONSUL_HTTP_ADDR": consul_url}
+    job_vars = {"venv": str(venv), "nomad_addr": nomad_url, "consul_addr": consul_url}
+    watcher_service = job_service(WATCHER_JOB, job_vars)
+    # The router never calls Nomad: the leading watcher scales for it.
+    router_vars = {k: v for k, v in job_vars.items() if k != "nomad_addr"}
+    router_service = job_service(ROUTER_JOB, {**router_vars, "port": router_port})
     services = Services(router_url=f"http://127.0.0.1:{router_port}")
     started: list[tuple[processes.Child, str]] = []
     for n in range(watchers):
@@ -206,13 +248,18 @@ def start_as_processes(
         services.children.append(child)
         started.append((child, f"http://127.0.0.1:{port}/healthz"))
         services.watcher_urls.append(f"http://127.0.0.1:{port}")
+        register_service(consul_url, watcher_service, name, port)
     proc = processes.spawn(
         "router", [llmgw, "router", "--listen", f"127.0.0.1:{router_port}"], logs_dir / "router.log", env=env
     )
     router = processes.Child("router", proc.pid, str(logs_dir / "router.log"))
     services.children.append(router)
     started.append((router, f"{services.router_url}/healthz"))
-    say(f"started {watchers} watchers and a router as child processes (logs in {logs_dir})")
+    register_service(consul_url, router_service, "router", router_port)
+    say(
+        f"started {watchers} watchers and a router as child processes (logs in {logs_dir}), "
+        f"registered in Consul as {WATCHER_JOB} and {ROUTER_JOB} with their jobs' tags and checks"
+    )
     for child, health in started:
 
         def healthy(url: str = health, pid: int = child.pid, name: str = child.name) -> bool:

@@ -41,9 +41,12 @@ def _one_line(text: str) -> str:
     return " ".join(text.split())
 
 
-def openai_step(router: str) -> str:
+SPLIT = "gemma-3-270m-split"
+
+
+def openai_step(router: str, model: str = "gemma-3-270m") -> str:
     client = openai.OpenAI(base_url=f"{router}/v1", api_key="devstack", max_retries=5, timeout=120)
-    reply = client.completions.create(model="gemma-3-270m", prompt=PROMPT, max_tokens=32, temperature=0.7)
+    reply = client.completions.create(model=model, prompt=PROMPT, max_tokens=32, temperature=0.7)
     return reply.choices[0].text
 
 
@@ -152,7 +155,18 @@ def show_tour(stack: Stack, models: dict[str, dict[str, Any]]) -> None:
     _print(_indent(shlex.join(curl_command(a.router))))
     _print(f"\n    -> {_one_line(curl_step(a.router))}")
 
-    _print("\n3. The two incidents, replayed. Each model against what it should have now:\n")
+    _print(f"\n3. The same weights as one replica over two nodes of one fabric ({SPLIT}): llama-server on")
+    _print("   one node, its layers spread to a ggml-rpc-server shard on the other, over RPC:\n")
+    try:
+        _print(f"    -> {_one_line(PROMPT + openai_step(a.router, SPLIT))}")
+    except openai.APIError as exc:
+        _print(f"    -> error: {exc}")
+    _print(
+        "\n   Every replica; the split one is one row, its leader's, with its fabric and shard (ctl replicas):\n"
+    )
+    _print(_indent(ctl_step(stack, "replicas")))
+
+    _print("\n4. The two incidents, replayed. Each model against what it should have now:\n")
     _print(_indent(ctl_step(stack, "status")))
     _print("\n   A request for a parked or unplaceable model is refused at once, with why:\n")
     for model in ("kev-0.5b", "phi-4"):
@@ -160,7 +174,7 @@ def show_tour(stack: Stack, models: dict[str, dict[str, Any]]) -> None:
     _print(f"\n   And the alerts that fire for them, from Prometheus's API ({a.prometheus}/api/v1/alerts):\n")
     _print(_indent(alerts_step(a.prometheus)))
 
-    _print("\n4. Where to look:\n")
+    _print("\n5. Where to look:\n")
     _print(f"    Consul UI          {a.consul}/ui/dc1/services/llmgw-model (each model, with its health)")
     _print(f"    watcher metrics    {a.admin}/metrics   (llmgw_model_parked, llmgw_model_unplaceable, ...)")
     _print(f"    router metrics     {a.router}/metrics")
@@ -173,7 +187,7 @@ def show_tour(stack: Stack, models: dict[str, dict[str, Any]]) -> None:
             f"                       {stack.dir / 'nomad' / 'alloc'}/<alloc-id>/alloc/logs (watchers, router, engines)"
         )
 
-    _print("\n5. Use it from another shell:\n")
+    _print("\n6. Use it from another shell:\n")
     env_file = stack.dir / "env"
     _print(_indent("\n".join(f"export {k}={v}" for k, v in a.env().items())))
     _print(f"\n   (or: source {env_file}), then try:\n")
@@ -181,6 +195,7 @@ def show_tour(stack: Stack, models: dict[str, dict[str, Any]]) -> None:
         _indent(
             f"llmgw plan {stack.models_file}  # nothing to do: what is applied is what runs\n"
             "llmgw ctl status                 # the table above\n"
+            "llmgw ctl replicas               # every replica; the split one with its shard\n"
             "llmgw ctl summary                # the fleet: nodes, GPUs by class, parked, unplaceable\n"
             "llmgw ctl models kev-0.5b        # one model in full, with its last error\n"
             "curl -s $LLMGW_ROUTER_URL/v1/models\n"

@@ -37,46 +37,16 @@ variable "port" {
   default     = 8080
 }
 
-variable "nomad_addr" {
-  type        = string
-  description = "Nomad HTTP API as seen from the task (the router scales on-demand models; https://... where it requires TLS); empty: the Nomad agent on the task's node over http."
-  default     = ""
-}
-
 variable "consul_addr" {
   type        = string
   description = "Consul HTTP API as seen from the task (https://... where it requires TLS); empty: the Consul agent on the task's node over http."
   default     = ""
 }
 
-variable "models_namespace" {
-  type        = string
-  description = "Nomad namespace of the model jobs (NOMAD_NAMESPACE for llmgw): where the watcher registers and the routers scale them."
-  default     = "default"
-}
-
 variable "tls_dir" {
   type        = string
   description = "Directory on every node holding the CA and client certificates below, mounted read-only at the same path (the default, the system's CA directory, holds none of llmgw's)."
   default     = "/etc/ssl/certs"
-}
-
-variable "nomad_cacert" {
-  type        = string
-  description = "CA certificate that signed Nomad's HTTPS certificate (a path under tls_dir); empty: the system's CAs."
-  default     = ""
-}
-
-variable "nomad_client_cert" {
-  type        = string
-  description = "Client certificate for Nomad's mutual TLS (a path under tls_dir); empty: none."
-  default     = ""
-}
-
-variable "nomad_client_key" {
-  type        = string
-  description = "Private key of nomad_client_cert (a path under tls_dir)."
-  default     = ""
 }
 
 variable "consul_cacert" {
@@ -152,7 +122,7 @@ job "llmgw-router" {
         image = "${var.image}:${var.llmgw_version}"
         args  = ["router", "--listen", "0.0.0.0:8080"]
         ports = ["http"]
-        # The CA and client certificates for Nomad and Consul, when their APIs require TLS.
+        # The CA and client certificates for Consul, when its API requires TLS.
         volumes = ["${var.tls_dir}:${var.tls_dir}:ro"]
       }
 
@@ -162,7 +132,6 @@ job "llmgw-router" {
         change_mode = "restart"
         data        = <<-EOT
           {{- with nomadVar "nomad/jobs/llmgw-router" -}}
-          NOMAD_TOKEN={{ .nomad_token }}
           CONSUL_HTTP_TOKEN={{ .consul_token }}
           LLMGW_API_KEYS={{ .api_keys }}
           {{- end }}
@@ -170,12 +139,7 @@ job "llmgw-router" {
       }
 
       env {
-        NOMAD_ADDR       = coalesce(var.nomad_addr, "http://${attr.unique.network.ip-address}:4646")
         CONSUL_HTTP_ADDR = coalesce(var.consul_addr, "${attr.unique.network.ip-address}:8500")
-        NOMAD_NAMESPACE   = var.models_namespace
-        NOMAD_CACERT      = var.nomad_cacert
-        NOMAD_CLIENT_CERT = var.nomad_client_cert
-        NOMAD_CLIENT_KEY  = var.nomad_client_key
         CONSUL_CACERT      = var.consul_cacert
         CONSUL_CLIENT_CERT = var.consul_client_cert
         CONSUL_CLIENT_KEY  = var.consul_client_key

@@ -46,7 +46,7 @@ variable "max_start_failures" {
 
 variable "models_namespace" {
   type        = string
-  description = "Nomad namespace of the model jobs (NOMAD_NAMESPACE for llmgw): where the watcher registers and the routers scale them."
+  description = "Nomad namespace of the model jobs (NOMAD_NAMESPACE for llmgw): where the watcher registers and scales them."
   default     = "default"
 }
 
@@ -180,7 +180,8 @@ job "llmgw-watcher" {
 
       resources {
         cpu    = 200
-        memory = 256
+        # About 250 MB resident at 1,000 models (docs/capacity.md): 256 would leave no room.
+        memory = 512
       }
     }
   }

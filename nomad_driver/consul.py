@@ -1,27 +1,47 @@
-"""A small async Consul client for the parts llmgw uses: KV with check-and-set, fenced
-transactions, sessions, blocking health reads and catalog entries for external nodes.
+"""The one Consul client of llmgw, shared by the watcher, the CLI and the router: KV with
+check-and-set, fenced transactions, sessions, blocking health reads and catalog entries for
+external nodes.
 
-Written on httpx rather than py-consul because the watcher needs what py-consul hides: the
-index as a number, a timeout that outlasts a blocking query's wait, the `Errors` of a rolled
-back transaction, and the ACL token on every call including `/v1/txn`. It speaks only the API
-that Consul 1.8 and current releases share.
+Async on aiohttp, the library the router's benchmark chose for its proxy, so the router's
+discovery and the watcher make the same calls the same way (bench/router_bench.py). Not
+py-consul, because llmgw needs what py-consul hides: the index as a number, a timeout that
+outlasts a blocking query's wait, the `Errors` of a rolled back transaction, and the ACL token
+on every call including `/v1/txn`. It speaks only the API that Consul 1.8 and current releases
+share. Answers are read through `safeload.json_loads`, bounded, since a KV value anyone with
+write access can set ends up in them.
+
+Every failure is a `ConsulError`: `ConsulUnavailable` when Consul could not be reached, timed
+out, failed on its side or answered garbage (retry later), a plain `ConsulError` when it
+answered and refused (a bad request, a refused token).
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import contextlib
 import json
 import os
+import ssl
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import httpx
+import aiohttp
 
-from nomad_driver.blocking import next_index
+from nomad_driver.blocking import ServiceError, next_index
+from nomad_driver.endpoint import client_ssl_context, normalise_addr
+from nomad_driver.safeload import LoadError, json_loads
+
+# A health or KV answer for a large fleet is tens of MiB; this only stops a runaway one.
+ANSWER_MAX_BYTES = 256 * 1024 * 1024
+# A Consul agent answers a connect in milliseconds; one that has not in 5 s is gone, and a
+# blocking read should say so now, not when its minute-long wait would have ended.
+CONNECT_TIMEOUT_S = 5.0
 
 
-class ConsulError(Exception):
+class ConsulError(ServiceError):
     """Consul answered, but not with what was asked for (a bad request, a refused token)."""
 
 
@@ -55,40 +75,117 @@ class TxnResult:
 
 
 def _addr_from_env() -> str:
-    addr = os.environ.get("CONSUL_HTTP_ADDR", "127.0.0.1:8500")
-    if "://" not in addr:
-        ssl = os.environ.get("CONSUL_HTTP_SSL", "").lower() in ("1", "true")
-        addr = f"{'https' if ssl else 'http'}://{addr}"
-    return addr.rstrip("/")
+    return normalise_addr(
+        os.environ.get("CONSUL_HTTP_ADDR", "127.0.0.1:8500"), os.environ.get("CONSUL_HTTP_SSL", "")
+    )
+
+
+def _ssl_from_env(addr: str) -> ssl.SSLContext | None:
+    cert, key = os.environ.get("CONSUL_CLIENT_CERT", ""), os.environ.get("CONSUL_CLIENT_KEY", "")
+    pair = (cert, key) if cert and key else ("", "")
+    return client_ssl_context(addr, os.environ.get("CONSUL_CACERT", ""), *pair)
+
+
+def _blocking(index: int, wait_s: float | None) -> dict[str, Any]:
+    """A blocking read's parameters: none for the first read (index 0), which answers at once."""
+    return {"index": index, "wait": f"{int(wait_s)}s"} if index and wait_s else {}
+
+
+@dataclass(frozen=True)
+class Answer:
+    status: int
+    body: bytes
+    index: str | None  # X-Consul-Index
+
+    @property
+    def text(self) -> str:
+        return self.body.decode("utf-8", errors="replace")
+
+    def json(self, what: str = "") -> Any:
+        """The body as JSON, bounded (LoadError when it is not)."""
+        return json_loads(self.body, f"consul {what}", max_bytes=ANSWER_MAX_BYTES)
+
+
+def _let_go_of(http: aiohttp.ClientSession, loop: asyncio.AbstractEventLoop) -> None:
+    """Close a session from outside a coroutine: in its own loop while that runs, else at once
+    (a loop that has stopped takes its sockets with it; nothing there is left to wait for)."""
+    if http.closed:
+        return
+    if loop.is_running():
+        with contextlib.suppress(RuntimeError):  # closed in the meantime
+            loop.call_soon_threadsafe(lambda: loop.create_task(http.close()))
+        return
+    connector = http.connector
+    http.detach()
+    if connector is not None:
+        # close() drops every connection before it returns; what it returns is only the wait
+        # for their goodbyes, which no loop will run. Stepping it once marks it awaited.
+        closing = connector.close()
+        with contextlib.suppress(StopIteration, RuntimeError):
+            closing.__await__().send(None)
 
 
 class Consul:
+    """Address, token and TLS default to Consul's own variables (`CONSUL_HTTP_ADDR`,
+    `CONSUL_HTTP_TOKEN`, `CONSUL_CACERT`, ...). Usable from any event loop: the HTTP session is
+    made on first use in the loop that uses it."""
+
     def __init__(
         self,
         addr: str | None = None,
         *,
         token: str | None = None,
         timeout: float = 10.0,
+        ssl_context: ssl.SSLContext | None = None,
+        max_connections: int = 64,
     ) -> None:
-        self.addr = (addr or _addr_from_env()).rstrip("/")
-        if "://" not in self.addr:
-            self.addr = f"http://{self.addr}"
+        self.addr = normalise_addr(addr) if addr else _addr_from_env()
         token = token if token is not None else os.environ.get("CONSUL_HTTP_TOKEN", "")
-        headers = {"X-Consul-Token": token} if token else {}
-        verify: bool | str = os.environ.get("CONSUL_CACERT") or True
-        cert = None
-        if os.environ.get("CONSUL_CLIENT_CERT") and os.environ.get("CONSUL_CLIENT_KEY"):
-            cert = (os.environ["CONSUL_CLIENT_CERT"], os.environ["CONSUL_CLIENT_KEY"])
+        self._headers = {"X-Consul-Token": token} if token else {}
+        self._ssl = ssl_context if ssl_context is not None else _ssl_from_env(self.addr)
         self.timeout = timeout
         # Blocking reads hold a connection for their whole wait; a pool of their own keeps them
         # from starving the short writes the leader must make in time.
-        limits = httpx.Limits(max_connections=64, max_keepalive_connections=16)
-        self._http = httpx.AsyncClient(
-            base_url=self.addr, headers=headers, verify=verify, cert=cert, timeout=timeout, limits=limits
-        )
+        self.max_connections = max_connections
+        self._http: aiohttp.ClientSession | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._finalizer: weakref.finalize[Any, Any] | None = None
+
+    def _session(self) -> aiohttp.ClientSession:
+        loop = asyncio.get_running_loop()
+        if self._http is None or self._http.closed or self._loop is not loop:
+            # A session belongs to the loop it was made in; a CLI verb that runs a second loop
+            # (or a test's thread) gets its own, and the old one is let go of in its own loop.
+            self._let_go()
+            self._http = aiohttp.ClientSession(
+                headers=self._headers,
+                connector=aiohttp.TCPConnector(
+                    ssl=self._ssl if self._ssl is not None else False,
+                    limit=self.max_connections,
+                    limit_per_host=self.max_connections,
+                ),
+            )
+            self._loop = loop
+            # A client nobody closed (a watcher dropped without `close()`) still closes its
+            # connections when it goes, quietly: aiohttp's own complaint is a traceback printed
+            # from the garbage collector, wherever it happens to run.
+            self._finalizer = weakref.finalize(self, _let_go_of, self._http, loop)
+        return self._http
+
+    def _let_go(self) -> None:
+        if self._finalizer is not None:
+            self._finalizer()  # runs _let_go_of once, and never again at collection
+        self._http = self._loop = self._finalizer = None
 
     async def close(self) -> None:
-        await self._http.aclose()
+        http, loop = self._http, self._loop
+        if http is not None and loop is asyncio.get_running_loop():
+            if self._finalizer is not None:
+                self._finalizer.detach()
+            self._http = self._loop = self._finalizer = None
+            await http.close()
+        else:
+            self._let_go()
 
     async def _call(
         self,
@@ -99,54 +196,61 @@ class Consul:
         body: Any = None,
         content: bytes | None = None,
         wait_s: float | None = None,
+        timeout: float | None = None,
         ok: Sequence[int] = (200,),
-    ) -> httpx.Response:
-        timeout = self.timeout + (wait_s * 1.1 if wait_s else 0.0)
+    ) -> Answer:
+        # Consul adds up to wait/16 of jitter to a blocking wait; the client must outwait that.
+        total = (timeout or self.timeout) + (wait_s * 1.1 if wait_s else 0.0)
+        data = content if content is not None else json.dumps(body).encode() if body is not None else None
+        headers = {"Content-Type": "application/json"} if content is None and body is not None else None
+        query = {k: str(v) for k, v in (params or {}).items()}
         try:
-            resp = await self._http.request(
+            async with self._session().request(
                 method,
-                path,
-                params=dict(params or {}),
-                json=body if content is None else None,
-                content=content,
-                timeout=timeout,
-            )
-        except httpx.HTTPError as exc:
-            raise ConsulUnavailable(f"consul {method} {path}: {type(exc).__name__}: {exc}") from exc
-        if resp.status_code in ok:
-            return resp
-        text = resp.text.strip()[:300]
-        if resp.status_code >= 500:
-            raise ConsulUnavailable(f"consul {method} {path}: HTTP {resp.status_code}: {text}")
-        raise ConsulError(f"consul {method} {path}: HTTP {resp.status_code}: {text}")
+                f"{self.addr}{path}",
+                params=query,
+                data=data,
+                headers=headers,
+                allow_redirects=False,
+                timeout=aiohttp.ClientTimeout(total=total, sock_connect=min(CONNECT_TIMEOUT_S, total)),
+            ) as resp:
+                answer = Answer(resp.status, await resp.read(), resp.headers.get("X-Consul-Index"))
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            detail = str(exc) or ("no answer in time" if isinstance(exc, TimeoutError) else "")
+            raise ConsulUnavailable(
+                f"consul {method} {path} at {self.addr}: {type(exc).__name__}: {detail}"
+            ) from exc
+        if answer.status in ok:
+            return answer
+        text = answer.text.strip()[:300]
+        if answer.status >= 500:
+            raise ConsulUnavailable(f"consul {method} {path}: HTTP {answer.status}: {text}")
+        raise ConsulError(f"consul {method} {path}: HTTP {answer.status}: {text}")
 
     @staticmethod
-    def _index(resp: httpx.Response, previous: int) -> int:
-        return next_index(previous, resp.headers.get("X-Consul-Index"))
+    def _index(answer: Answer, previous: int) -> int:
+        return next_index(previous, answer.index)
 
     @staticmethod
-    def _json(resp: httpx.Response, what: str) -> Any:
+    def _json(answer: Answer, what: str) -> Any:
         try:
-            return resp.json()
-        except ValueError as exc:
-            raise ConsulUnavailable(f"consul {what}: answer is not JSON: {resp.text[:200]!r}") from exc
+            return answer.json(what)
+        except LoadError as exc:
+            raise ConsulUnavailable(f"{exc}: {answer.body[:200]!r}") from exc
 
     # KV
 
     async def kv_get(
         self, key: str, *, recurse: bool = False, index: int = 0, wait_s: float | None = None
     ) -> tuple[int, list[KVEntry]]:
-        params: dict[str, Any] = {}
+        params = _blocking(index, wait_s)
         if recurse:
             params["recurse"] = "true"
-        if index and wait_s:
-            params["index"] = index
-            params["wait"] = f"{int(wait_s)}s"
         resp = await self._call(
             "GET", f"/v1/kv/{key}", params=params, wait_s=wait_s if index else None, ok=(200, 404)
         )
         new_index = self._index(resp, index)
-        if resp.status_code == 404:
+        if resp.status == 404:
             return new_index, []
         raw = self._json(resp, f"kv {key}")
         if not isinstance(raw, list):
@@ -171,6 +275,7 @@ class Consul:
         cas: int | None = None,
         acquire: str | None = None,
         release: str | None = None,
+        timeout: float | None = None,
     ) -> bool:
         params: dict[str, Any] = {}
         if cas is not None:
@@ -180,7 +285,7 @@ class Consul:
         if release:
             params["release"] = release
         data = value.encode() if isinstance(value, str) else value
-        resp = await self._call("PUT", f"/v1/kv/{key}", params=params, content=data)
+        resp = await self._call("PUT", f"/v1/kv/{key}", params=params, content=data, timeout=timeout)
         return resp.text.strip() == "true"
 
     async def kv_delete(self, key: str, *, recurse: bool = False, cas: int | None = None) -> bool:
@@ -199,7 +304,7 @@ class Consul:
             raise ValueError("Consul 1.8 takes at most 64 operations in one transaction")
         resp = await self._call("PUT", "/v1/txn", body=ops, ok=(200, 409))
         body = self._json(resp, "txn")
-        if resp.status_code == 200:
+        if resp.status == 200:
             indexes: dict[str, int] = {}
             results = body.get("Results") if isinstance(body, dict) else None
             for r in results or []:
@@ -247,7 +352,7 @@ class Consul:
     async def session_renew(self, session: str) -> bool:
         """False when the session is gone (expired, destroyed, or Consul lost its state)."""
         resp = await self._call("PUT", f"/v1/session/renew/{session}", ok=(200, 404))
-        if resp.status_code == 404:
+        if resp.status == 404:
             return False
         data = self._json(resp, "session renew")
         return isinstance(data, list) and bool(data)
@@ -260,12 +365,9 @@ class Consul:
     async def health_service(
         self, service: str, *, index: int = 0, wait_s: float | None = None, passing: bool = False
     ) -> tuple[int, list[dict[str, Any]]]:
-        params: dict[str, Any] = {}
+        params = _blocking(index, wait_s)
         if passing:
             params["passing"] = "true"
-        if index and wait_s:
-            params["index"] = index
-            params["wait"] = f"{int(wait_s)}s"
         resp = await self._call(
             "GET", f"/v1/health/service/{service}", params=params, wait_s=wait_s if index else None
         )

@@ -13,7 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]*$")
+# Matched whole (fullmatch): `$` also matches before a trailing newline.
+_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
 _NS_UNITS = (("h", 3_600_000_000_000), ("m", 60_000_000_000), ("s", 1_000_000_000), ("ms", 1_000_000))
 
 
@@ -269,7 +270,7 @@ def _emit_duration(w: _Writer, depth: int, spec: Field, value: Any, path: str) -
 def _emit_map(w: _Writer, depth: int, spec: Field, value: Any, path: str) -> None:
     w.open(depth, spec.hcl)
     for key, item in value.items():
-        if not _IDENT.match(key):
+        if not _IDENT.fullmatch(key):
             raise ValueError(f"{path}: key {key!r} is not an HCL identifier")
         w.attr(depth + 1, key, _value(item, depth + 1))
     w.close(depth)

@@ -20,12 +20,13 @@ import nomad as pynomad
 import requests
 from nomad.api import exceptions as nomad_exc
 
-from nomad_driver.blocking import next_index
+from nomad_driver.blocking import ServiceError, next_index
+from nomad_driver.endpoint import normalise_addr
 
 JOB_PREFIX = "llmgw-"
 
 
-class NomadError(Exception):
+class NomadError(ServiceError):
     """Nomad answered and refused (4xx); the message is Nomad's own text."""
 
     def __init__(self, message: str, status: int = 0) -> None:
@@ -55,9 +56,7 @@ class Nomad:
         namespace: str | None = None,
         timeout: float = 10.0,
     ) -> None:
-        self.address = (address or os.environ.get("NOMAD_ADDR") or "http://127.0.0.1:4646").rstrip("/")
-        if "://" not in self.address:
-            self.address = f"http://{self.address}"
+        self.address = normalise_addr(address or os.environ.get("NOMAD_ADDR") or "http://127.0.0.1:4646")
         self.token = token if token is not None else os.environ.get("NOMAD_TOKEN")
         self.namespace = namespace or os.environ.get("NOMAD_NAMESPACE") or "default"
         self.verify, self.cert = tls_from_env(self.address)
@@ -105,7 +104,8 @@ class Nomad:
                 raise NomadError(
                     f"nomad {method.upper()} /v1/{where}: HTTP {status}: {text}", status
                 ) from exc
-            raise NomadUnavailable(f"nomad {method.upper()} /v1/{where}: {text}", status) from exc
+            answered = f"HTTP {status}: " if isinstance(status, int) and status else ""
+            raise NomadUnavailable(f"nomad {method.upper()} /v1/{where}: {answered}{text}", status) from exc
         except (requests.RequestException, OSError) as exc:
             raise NomadUnavailable(
                 f"nomad {method.upper()} /v1/{where}: {type(exc).__name__}: {exc}"
@@ -175,9 +175,16 @@ class Nomad:
         data = self._json(resp, f"scale {job_id}")
         return data if isinstance(data, dict) else {}
 
-    def job_evaluations(self, job_id: str) -> list[dict[str, Any]]:
-        data = self._json(self._request("job", job_id, "evaluations"), f"evaluations {job_id}")
-        return [e for e in data if isinstance(e, dict)] if isinstance(data, list) else []
+    def evaluation(self, eval_id: str, *, index: int = 0, wait_s: float = 10.0) -> tuple[int, dict[str, Any]]:
+        """One evaluation, blocking until it changes past `index` (or `wait_s`): how the leader
+        reads what Nomad made of an activation's scale call, at once."""
+        query: dict[str, Any] = {}
+        if index:
+            query = {"index": index, "wait": f"{max(1, int(wait_s))}s"}
+        timeout = self.timeout + (wait_s * 1.1 if index else 0)
+        resp = self._request("evaluation", eval_id, params=query, timeout=timeout)
+        data = self._json(resp, f"evaluation {eval_id}")
+        return next_index(index, resp.headers.get("X-Nomad-Index")), data if isinstance(data, dict) else {}
 
     def stderr_tail(self, alloc_id: str, task: str, nbytes: int = 4096) -> str:
         """The last `nbytes` of a task's stderr: where an engine says why it died."""

@@ -13,10 +13,12 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from fnmatch import fnmatchcase
 from typing import Any
 
 from nomad_driver.fields import as_int
-from nomad_driver.node_meta import FABRIC_KEY, interpolated, models_cached
+from nomad_driver.node_meta import FABRIC_KEY, GPU_COUNT_KEY, interpolated, models_cached
+from nomad_driver.spec import Profile
 from nomad_driver.summary import fleet_summary
 
 # Evaluations that say nothing about placement yet (pending) or were superseded (canceled).
@@ -31,6 +33,9 @@ class PlacementFailure:
 
     eval_id: str
     reason: str
+    # The fabric the failed job was pinned to, when Nomad's metrics name the constraint (nodes
+    # of other fabrics filtered by it): a multi-node replica then moves to another fabric.
+    fabric: str = ""
 
 
 def summarize_placement(failed_tg_allocs: dict[str, Any] | None, job: dict[str, Any] | None = None) -> str:
@@ -76,7 +81,11 @@ def latest_placement_failure(
             return None
         # A blocked eval copies its parent's metrics; one without them still blocks.
         failed = _metrics_of_parent(newest, evaluations)
-    return PlacementFailure(eval_id=str(newest.get("ID", "")), reason=summarize_placement(failed, job))
+    return PlacementFailure(
+        eval_id=str(newest.get("ID", "")),
+        reason=summarize_placement(failed, job),
+        fabric=failed_fabric(failed),
+    )
 
 
 def _metrics_of_parent(
@@ -226,6 +235,37 @@ class FabricRoom:
     fabric: str
     largest_free_block: int
     has_weights: bool = False
+    nodes: int = 0  # all its nodes, free or not
+
+
+def eligible_nodes(nodes: Sequence[Mapping[str, Any]], profile: Profile) -> list[dict[str, Any]]:
+    """The nodes a multi-node replica of `profile` may land on, as its job says: its node pool
+    (`default` when it names none, every pool for `all`), its datacenters (globs, `*` when it
+    names none), and, for a model that asks for GPUs, exactly `gpus` of them per node
+    (`llmgw_gpu_count`), since a shard takes its whole node. A fabric's room counts only these:
+    free nodes the replica cannot use are no room for it."""
+    pool = profile.node_pool or "default"
+    datacenters = list(profile.datacenters or ()) or ["*"]
+    out = []
+    for node in nodes:
+        if not isinstance(node, Mapping):
+            continue
+        if pool != "all" and str(node.get("NodePool") or "default") != pool:
+            continue
+        if not any(fnmatchcase(str(node.get("Datacenter") or ""), dc) for dc in datacenters):
+            continue
+        meta = node.get("Meta")
+        count = meta.get(GPU_COUNT_KEY) if isinstance(meta, Mapping) else None
+        if profile.gpus > 0 and str(count or "") != str(profile.gpus):
+            continue
+        out.append(dict(node))
+    return out
+
+
+def gpu_count_constraint(gpus: int) -> dict[str, Any]:
+    """The job constraint that puts each shard of a replica on a node with exactly `gpus` GPUs:
+    it asks for all of them, so the node is entirely its own."""
+    return {"LTarget": interpolated(GPU_COUNT_KEY), "RTarget": str(gpus), "Operand": "="}
 
 
 def fabric_rooms(nodes: list[dict[str, Any]], allocs: list[dict[str, Any]], model: str) -> list[FabricRoom]:
@@ -244,6 +284,7 @@ def fabric_rooms(nodes: list[dict[str, Any]], allocs: list[dict[str, Any]], mode
             fabric=str(f["fabric"]),
             largest_free_block=as_int(f.get("largest_free_block")),
             has_weights=str(f["fabric"]) in with_weights,
+            nodes=as_int(f.get("nodes")),
         )
         for f in fabrics
     ]
@@ -277,3 +318,45 @@ def no_fabric_reason(rooms: Sequence[FabricRoom], nodes: int) -> str:
         return f"{head}; no node reports a fabric ({FABRIC_KEY})"
     blocks = ", ".join(f"{r.fabric} {r.largest_free_block}" for r in sorted(rooms, key=lambda r: r.fabric))
     return f"{head}; largest free blocks: {blocks}"
+
+
+def fallback_fabric(rooms: Sequence[FabricRoom], nodes: int) -> str | None:
+    """Where to pin a replica that no fabric has room for now, so that its job still never
+    spans two: the fabric with the most nodes (it can hold the replica once they are free),
+    then the name. None when no node reports a fabric."""
+    if not rooms:
+        return None
+    best = min(rooms, key=lambda r: (r.nodes < nodes, -r.nodes, r.fabric))
+    return best.fabric
+
+
+_FABRIC_CONSTRAINT = re.compile(r"^\$\{meta\." + re.escape(FABRIC_KEY) + r"\} = (?P<fabric>.+)$")
+
+
+def failed_fabric(failed_tg_allocs: Any) -> str:
+    """The fabric a failed placement was pinned to, from the constraint that filtered the other
+    fabrics' nodes (`${meta.llmgw_fabric} = ib-a`, as Nomad's `Constraint.String()` keys
+    `ConstraintFiltered`); "" when the metrics do not say."""
+    if not isinstance(failed_tg_allocs, dict):
+        return ""
+    for metric in failed_tg_allocs.values():
+        filtered = metric.get("ConstraintFiltered") if isinstance(metric, dict) else None
+        for key in filtered if isinstance(filtered, dict) else ():
+            found = _FABRIC_CONSTRAINT.match(str(key))
+            if found:
+                return found.group("fabric")
+    return ""
+
+
+def job_fabric(job: Mapping[str, Any] | None) -> str:
+    """The fabric a job is pinned to by `fabric_constraint`, or "" when it is not pinned."""
+    constraints = job.get("Constraints") if isinstance(job, Mapping) else None
+    for c in constraints if isinstance(constraints, list) else ():
+        if (
+            isinstance(c, Mapping)
+            and c.get("LTarget") == interpolated(FABRIC_KEY)
+            and c.get("Operand") == "="
+            and c.get("RTarget")
+        ):
+            return str(c["RTarget"])
+    return ""

@@ -17,7 +17,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit
 
 from nomad_driver.hcl import job_to_hcl
 from nomad_driver.node_meta import ENGINES_DIR_KEY, engine_meta_key, interpolated
-from nomad_driver.placement import fabric_constraint
+from nomad_driver.placement import fabric_constraint, gpu_count_constraint
 from nomad_driver.spec import Model, Profile
 
 GROUP_NAME = "engine"
@@ -354,7 +354,12 @@ def shard_tag(job_id: str) -> str:
 
 def _shard_lookup(job_id: str) -> str:
     # consul-template's `service "TAG.NAME"`: passing instances only, so a shard that fails its
-    # check leaves the list and the leader is restarted without it.
+    # check leaves the list and the leader is restarted without it. A llama.cpp shard has no
+    # check: ggml-rpc-server serves one client at a time and its accept queue holds two, so
+    # while the leader is connected a TCP check's connections queue up unanswered and the check
+    # fails within two intervals, which would restart the leader every minute. Its service is
+    # there while its process runs (Nomad registers it at the start and removes it at the exit),
+    # which is the set the leader needs.
     return f'service "{shard_tag(job_id)}.{SHARD_SERVICE}"'
 
 
@@ -518,6 +523,10 @@ def render_replica_job(
     # Nomad places each allocation on its own; only this keeps two shards of one replica off one
     # node. The fabric constraint that keeps them in one fabric is the watcher's to add.
     job["Constraints"] = [{"Operand": "distinct_hosts", "RTarget": "true"}]
+    if p.gpus > 0:
+        # `gpus` is the node's whole count: a node with more would give the shard a part of it
+        # and leave the rest to others, and the replica's nodes would not be entirely its own.
+        job["Constraints"].append(gpu_count_constraint(p.gpus))
     if fabric:
         job["Constraints"].append(fabric_constraint(fabric))
     running = replica < model.replicas_min
@@ -562,7 +571,11 @@ def render_replica_job(
                 "PortLabel": RPC_PORT_LABEL,
                 "Tags": [shard_tag(job_id), f"model={model.name}"],
                 "Meta": {"model": model.name, "def_hash": model.def_hash, "job": job_id},
-                "Checks": [_tcp_check("shard listening", RPC_PORT_LABEL)],
+                **(
+                    {}
+                    if p.engine == "llama.cpp"
+                    else {"Checks": [_tcp_check("shard listening", RPC_PORT_LABEL)]}
+                ),
             }
         ],
         "RestartPolicy": leader["RestartPolicy"],

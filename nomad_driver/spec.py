@@ -37,7 +37,7 @@ MODEL_NAME_RULE = (
     "1-64 characters from letters, digits, '.', '_' and '-', starting and ending with a letter or digit"
 )
 # Nomad's own rule for node pool names (`structs.validNodePoolName`).
-NODE_POOL_RE = re.compile(r"^[a-zA-Z0-9-_]{1,128}$")
+NODE_POOL_RE = re.compile(r"[a-zA-Z0-9-_]{1,128}")
 # llmgw's own Nomad jobs (jobs/*.nomad.hcl) are `llmgw-<name>` too; a model with one of these
 # names would replace the router, the watcher or the node agents. Nomad compares job IDs without
 # regard to case, so neither may differ only in case.
@@ -53,6 +53,12 @@ _DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
 # longer than any idle or activation timeout an operator means.
 MAX_DURATION_S = 365 * 24 * 3600.0
 MAX_REPLICAS = 10_000
+MAX_TARGET_IN_FLIGHT = 100_000
+DEFAULT_SCALE_DOWN_DELAY_S = 5 * 60.0
+# Slots a replica serves at once when the profile does not say: llama-server's default
+# `--parallel` (4 since it sizes slots itself), llama-cpp-python's one request at a time, and a
+# conservative share of vLLM's continuous batch (it admits far more, but latency climbs first).
+ENGINE_SLOTS: dict[str, int] = {"llama.cpp": 4, "llama-cpp-python": 1, "vllm": 32}
 MAX_MEMORY_MIB = 64 * 1024 * 1024  # 64 TiB of host memory
 MAX_GPU_MEMORY_MIB = 16 * 1024 * 1024  # 16 TiB per GPU
 MAX_CPU_MHZ = 10_000_000
@@ -110,6 +116,11 @@ class _Replicas(BaseModel):
 
     min: int = Field(default=1, le=MAX_REPLICAS)
     max: int | None = Field(default=None, le=MAX_REPLICAS)
+    # Requests in flight one replica should carry before another is asked for; unset, the
+    # engine's own slots (`default_target_in_flight`).
+    target_in_flight: int | None = Field(default=None, le=MAX_TARGET_IN_FLIGHT)
+    # How long a lower load must hold before replicas are stopped; checked by parse_duration.
+    scale_down_delay: Any = None
 
 
 class _ModelDoc(BaseModel):
@@ -135,6 +146,10 @@ class Model:
     activation_timeout_s: float
     def_hash: str
     job_id: str
+    # Load scaling (`watcher/scaling.py`): requests in flight per replica, and how long a lower
+    # load must last before the count follows it down.
+    target_in_flight: int = 4
+    scale_down_delay_s: float = 300.0
 
 
 @dataclass(frozen=True)
@@ -432,7 +447,21 @@ def read_models_text(path: str | Path) -> str:
     except OSError as exc:
         raise SpecError([f"{path}: cannot read: {exc.strerror or exc}"]) from None
     except UnicodeDecodeError as exc:
-        raise SpecError([f"{path}: not UTF-8 text (invalid byte at offset {exc.start})"]) from None
+        raise _not_utf8(str(path), exc) from None
+
+
+def decode_models_text(raw: bytes, origin: str) -> str:
+    """A models file kept as bytes (`llmgw/config/models`) as text, or SpecError naming
+    `origin`. Strict, for every reader alike: with bad bytes replaced, a watcher would act on
+    definitions the routers refuse."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise _not_utf8(origin, exc) from None
+
+
+def _not_utf8(origin: str, exc: UnicodeDecodeError) -> SpecError:
+    return SpecError([f"{origin}: not UTF-8 text (invalid byte at offset {exc.start})"])
 
 
 def problem_line(path: str | Path, problem: str) -> str:
@@ -478,7 +507,7 @@ def _parse_profiles(raw: Any, problems: list[str]) -> dict[str, Profile]:
             problems.append(f"{path}: gpu_memory_mib and gpu_models need gpus >= 1")
         if profile.chat_format is not None and profile.engine != "llama-cpp-python":
             problems.append(f"{path}.chat_format: only llama-cpp-python takes a chat_format")
-        if profile.node_pool is not None and not NODE_POOL_RE.match(profile.node_pool):
+        if profile.node_pool is not None and not NODE_POOL_RE.fullmatch(profile.node_pool):
             problems.append(
                 f"{path}.node_pool: {profile.node_pool!r} is not a Nomad node pool name: "
                 "1-128 letters, digits, '-' and '_'"
@@ -561,6 +590,17 @@ def _parse_models(
                 f"{profile.nodes}) runs at most 1 replica, got {rmax}"
             )
 
+        target = doc.replicas.target_in_flight
+        if target is not None and target < 1:
+            problems.append(
+                f"{path}.replicas.target_in_flight: must be >= 1 (requests in flight per replica), got {target}"
+            )
+        delay = _duration(
+            doc.replicas.scale_down_delay,
+            DEFAULT_SCALE_DOWN_DELAY_S,
+            f"{path}.replicas.scale_down_delay",
+            problems,
+        )
         idle = _duration(doc.idle_timeout, DEFAULT_IDLE_TIMEOUT_S, f"{path}.idle_timeout", problems)
         activation = _duration(
             doc.activation_timeout, DEFAULT_ACTIVATION_TIMEOUT_S, f"{path}.activation_timeout", problems
@@ -578,8 +618,28 @@ def _parse_models(
             activation_timeout_s=activation,
             def_hash=definition_hash(doc.source, profile),
             job_id=job_id_for(name),
+            target_in_flight=target if target is not None else default_target_in_flight(profile),
+            scale_down_delay_s=delay,
         )
     return models
+
+
+def default_target_in_flight(profile: Profile) -> int:
+    """The requests one replica serves at once: llama-server's `--parallel N` (`-np N`,
+    `--parallel=N`) when the profile's args set it, else the engine's default slots. More in
+    flight than slots is a queue inside the engine, which is the latency load scaling exists
+    to remove."""
+    if profile.engine == "llama.cpp":
+        args = profile.args
+        for i, arg in enumerate(args):
+            value = None
+            if arg in ("--parallel", "-np") and i + 1 < len(args):
+                value = args[i + 1]
+            elif arg.startswith("--parallel="):
+                value = arg.split("=", 1)[1]
+            if value is not None and value.isdigit() and int(value) > 0:
+                return int(value)
+    return ENGINE_SLOTS[profile.engine]
 
 
 def _known(declared: list[str]) -> str:

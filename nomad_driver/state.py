@@ -13,9 +13,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from nomad_driver.safeload import LoadError, json_loads
+from nomad_driver.spec import redact
 
 KV_PREFIX = "llmgw/"
 STATE_PREFIX = "llmgw/state/"
@@ -39,7 +40,8 @@ def inflight_key(router: str) -> str:
 
 class ActionError(BaseModel):
     """Nomad refused what the leader asked for a model, in a way that asking again will not
-    change (a 4xx: ACL denied, a scaling bound, a bad namespace): kept until the action next
+    change (a 4xx: ACL denied, a scaling bound, a bad namespace; a 500 in the words of Nomad's
+    validation: a node pool that does not exist, a bad constraint): kept until the action next
     succeeds, so the refusal shows where operators look instead of only in the log."""
 
     model_config = ConfigDict(extra="allow")
@@ -49,12 +51,48 @@ class ActionError(BaseModel):
     message: str = ""  # Nomad's answer
     since: float = 0.0  # Unix time of the first refusal in this run of refusals
 
+    # Nomad's refusal quotes the job it was given (an artifact's source, say); masked as it is
+    # made, since it is stored in KV and shown to everyone who reads the model's state.
+    @field_validator("message")
+    @classmethod
+    def _redacted(cls, text: str) -> str:
+        return redact(text)
+
     def same_refusal(self, other: ActionError | None) -> bool:
         return other is not None and (self.action, self.status, self.message) == (
             other.action,
             other.status,
             other.message,
         )
+
+
+class Attempt(BaseModel):
+    """The leading watcher's answer to a router's ask (activation of a model with no ready
+    replica): `asked` is the ask it answers (the router's Unix time), `at` when it asked Nomad,
+    `eval` the evaluation, `result` `placed` or `unplaceable` with Nomad's reason. A router
+    waits for the attempt whose `asked` is at least its own ask."""
+
+    model_config = ConfigDict(extra="allow")
+
+    asked: float = 0.0
+    at: float = 0.0
+    eval: str = ""
+    result: str = ""  # placed | unplaceable
+    reason: str = ""
+
+    @field_validator("reason")
+    @classmethod
+    def _redacted(cls, text: str) -> str:
+        return redact(text)
+
+
+class CountedStart(BaseModel):
+    """One start by its identity: its allocation and the time of its `Started` event."""
+
+    model_config = ConfigDict(extra="allow")
+
+    alloc: str
+    started_ns: int
 
 
 class ModelState(BaseModel):
@@ -84,6 +122,9 @@ class ModelState(BaseModel):
     counted_through_alloc: str = ""
     counted_through_ns: int = 0
     counted_failures: int = Field(default=0, ge=0)
+    # Failures after that start, counted while an earlier start was still loading (so the count
+    # could not be folded past it yet): each still counts after Nomad forgets it.
+    counted_later: list[CountedStart] = Field(default_factory=list)
     # The definition hash the count belongs to, and the first Nomad job version that ran it:
     # allocations of older versions ran an older definition and never count (-1: the new
     # definition is not in Nomad yet).
@@ -92,6 +133,24 @@ class ModelState(BaseModel):
     # Set when the Nomad job `llmgw-<model>` was not rendered by llmgw for this model (its meta
     # `llmgw_model` is missing or names another): the watcher leaves that job alone.
     job_conflict: str = ""
+    # Multi-node replicas: the fabrics Nomad could not place the replica on since its last
+    # healthy start or new definition (tried last when choosing again), and the leader start
+    # (`<alloc>@<Started ns>`) the watcher last restarted the replica for after a shard failed.
+    fabrics_tried: list[str] = Field(default_factory=list)
+    replica_restarted: str = ""
+    # A scale-up by load that Nomad cannot place while the minimum runs: the model serves, but
+    # with fewer replicas than its load asks for. Nomad's reason, summarised like placement's.
+    short: bool = False
+    short_reason: str = ""
+    # The leader's answer to the latest activation asked by a router (see `Attempt`).
+    attempt: Attempt | None = None
+
+    # Built redacted by the watcher; masked on reading too, for a value stored before that or
+    # written by hand, since every reader shows it (router, admin API, ctl, the Consul UI).
+    @field_validator("last_error", "placement_reason", "short_reason")
+    @classmethod
+    def _redacted(cls, text: str) -> str:
+        return redact(text)
 
     def to_kv(self) -> bytes:
         return self.model_dump_json().encode()
@@ -159,6 +218,9 @@ class RouterInFlight:
     interval_s: float
     requests: dict[str, int] = field(default_factory=dict)
     replicas: dict[str, frozenset[str]] = field(default_factory=dict)
+    # The router's latest ask per model (Unix time): a request that found no ready replica and
+    # waits for the leader to answer it (`ModelState.attempt`).
+    asked: dict[str, float] = field(default_factory=dict)
 
     def live(self, now: float) -> bool:
         """Refreshed recently: a router that stopped refreshing (a crash) holds nothing. A
@@ -185,6 +247,7 @@ def parse_inflight(raw: bytes | str | None) -> RouterInFlight | None:
         return None
     requests: dict[str, int] = {}
     replicas: dict[str, frozenset[str]] = {}
+    asked: dict[str, float] = {}
     for model, use in data["models"].items():
         if not isinstance(use, dict):
             continue
@@ -196,4 +259,7 @@ def parse_inflight(raw: bytes | str | None) -> RouterInFlight | None:
         replicas[str(model)] = (
             frozenset(str(r) for r in names if isinstance(r, str)) if isinstance(names, list) else frozenset()
         )
-    return RouterInFlight(float(at), float(interval), requests, replicas)
+        ask = use.get("asked")
+        if isinstance(ask, int | float) and not isinstance(ask, bool) and math.isfinite(ask) and ask > 0:
+            asked[str(model)] = float(ask)
+    return RouterInFlight(float(at), float(interval), requests, replicas, asked)

@@ -1,2 +1,2 @@
-"""The request path: the OpenAI-compatible router. It may import the root of nomad_driver (the
-contracts and clients), never its watcher, cli or node_agent rooms."""
+"""The request path: the OpenAI-compatible router. From nomad_driver it may import only the root's
+contracts and shared parts (spec, state, consul, blocking, placement, safeload, endpoint, certs, logs)."""

@@ -2,57 +2,54 @@
 
 The rule (DESIGN.md "Activation", and the note that followed the phi-4 incident): each request
 for a model with no ready replica ignores the previous placement result and makes a fresh
-attempt, a Nomad scale call, then waits for *that attempt's* evaluation, not for the whole
-activation window. Nomad answers an evaluation in well under a second, so:
+attempt, then waits for *that attempt's* evaluation, not for the whole activation window.
 
-- not placed (the evaluation's `FailedTGAllocs`): the request is answered at once with Nomad's
-  reason, and the client is told not to retry;
-- placed: the request waits for a ready replica up to the model's activation window, then gets
-  503 `model_loading` with `Retry-After`.
+The router never calls Nomad: the leading watcher is the one writer of every job's count. A
+request *asks*: its router publishes the ask (a timestamp) in its `llmgw/inflight/<router>` key
+at once, the leader sees it on its blocking query, applies the same rule as for load (0 -> 1,
+or the count the load wants), makes the scale call, reads the evaluation and records the
+attempt in `llmgw/state/<model>` (`attempt: {asked, at, eval, result, reason}`). A request
+waits for the attempt whose `asked` is at least its own:
+
+- `unplaceable`: answered at once with Nomad's reason, and told not to retry;
+- `placed`: waits for a ready replica up to the model's activation window, then gets 503
+  `model_loading` with `Retry-After`;
+- no answer within `Timeouts.evaluation_s` (30 s; no watcher leads, or it cannot reach Nomad):
+  503 `activation_failed` with `Retry-After`.
 
 A model that was unplaceable an hour ago but fits now, because another model was scaled down,
 is therefore served, not refused on a stale answer.
 
-Attempts: concurrent requests share the attempt in flight (one scale call, one evaluation); an
-attempt that finished, placed or not, is never joined again, so a request that arrives later
-asks Nomad afresh and sees what Nomad says now (a replacement that fits nowhere any more). A
-placed request waits until the first of: a ready replica; the model parked by the watcher
-(`model_parked`, with the engine's error); a later evaluation of the job failing to place, seen
-by another attempt of this router or by the watcher (`model_unplaceable`); the model's
-definition removed; its activation window (`model_loading`, the only answer that says retry).
-At most `max_waiting` requests wait per model; more get 429 `model_overloaded`.
+Attempts: concurrent requests share the attempt in flight (one ask, one scale call, one
+evaluation); an attempt that finished, placed or not, is never joined again, so a request that
+arrives later asks afresh and sees what Nomad says now. A placed request waits until the first
+of: a ready replica; the model parked by the watcher (`model_parked`, with the engine's error);
+a later evaluation of the job failing to place, seen by another attempt of this router or by
+the watcher (`model_unplaceable`); the model's definition removed; its activation window
+(`model_loading`, the only answer that says retry). At most `max_waiting` requests wait per
+model; more get 429 `model_overloaded`.
 
-An attempt that raised the job's count and was refused puts the count back (only if nobody
-changed the job since), and writes no activity: nobody is being served, so nothing should keep
-the model asked for. Parked models never get here: parking is the watcher's decision and only
-a definition change or `llmgw ctl retry` lifts it.
+A refused ask writes no activity: nobody is being served, so nothing keeps the model asked for,
+and the watcher takes the count it raised back down once the request has ended.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
-from urllib.parse import quote
 
-import aiohttp
-
-from nomad_driver.blocking import next_index
 from nomad_driver.spec import Model
-from nomad_driver.state import ModelState, activity_key
+from nomad_driver.state import ModelState
 from router import errors
-from router.config import NomadSettings, Timeouts
-from router.discovery import ConsulUnavailable, Discovery, Snapshot
+from router.config import Timeouts
+from router.discovery import Discovery, Snapshot
 from router.errors import RouterError
 from router.metrics import RouterMetrics
 
 log = logging.getLogger("llmgw.router.activation")
-
-EVAL_DONE = ("complete", "failed", "canceled")
 
 
 @dataclass(frozen=True)
@@ -62,86 +59,9 @@ class AttemptResult:
     eval_id: str = ""
     error: RouterError | None = None
     finished: float = 0.0
-
-
-class NomadError(RuntimeError):
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-class NomadClient:
-    """The three Nomad calls the router makes, on aiohttp so nothing blocks the event loop."""
-
-    def __init__(self, settings: NomadSettings) -> None:
-        self.settings = settings
-        self._http: aiohttp.ClientSession | None = None
-
-    async def start(self) -> None:
-        headers = {"X-Nomad-Token": self.settings.token} if self.settings.token else {}
-        self._http = aiohttp.ClientSession(
-            base_url=self.settings.addr,
-            headers=headers,
-            connector=aiohttp.TCPConnector(ssl=self.settings.ssl_context() or False, limit=16),
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=70),
-        )
-
-    async def close(self) -> None:
-        if self._http is not None:
-            await self._http.close()
-            self._http = None
-
-    def _params(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
-        params = dict(extra or {})
-        if self.settings.namespace:
-            params["namespace"] = self.settings.namespace
-        if self.settings.region:
-            params["region"] = self.settings.region
-        return params
-
-    async def _call(
-        self, method: str, path: str, *, params: Mapping[str, str] | None = None, body: Any = None
-    ) -> tuple[Any, str | None]:
-        if self._http is None:
-            raise NomadError(0, "nomad client is not started")
-        try:
-            async with self._http.request(method, path, params=self._params(params), json=body) as resp:
-                text = await resp.text()
-                if resp.status != 200:
-                    # Nomad's errors are plain text, the message itself.
-                    raise NomadError(resp.status, text.strip()[:500] or f"HTTP {resp.status}")
-                return json.loads(text), resp.headers.get("X-Nomad-Index")
-        except aiohttp.ClientError as exc:
-            raise NomadError(0, f"cannot reach Nomad at {self.settings.addr}: {exc}") from exc
-        except TimeoutError as exc:
-            raise NomadError(0, f"Nomad at {self.settings.addr} did not answer {method} {path}") from exc
-
-    async def job(self, job_id: str) -> Mapping[str, Any]:
-        job, _ = await self._call("GET", f"/v1/job/{quote(job_id, safe='')}")
-        return job if isinstance(job, dict) else {}
-
-    async def scale(self, job_id: str, group: str, count: int, message: str) -> Mapping[str, Any]:
-        """Nomad's reply: `EvalID` (empty when nothing was evaluated) and `JobModifyIndex`."""
-        body = {"Count": count, "Target": {"Group": group}, "Message": message}
-        reply, _ = await self._call("POST", f"/v1/job/{quote(job_id, safe='')}/scale", body=body)
-        return reply if isinstance(reply, dict) else {}
-
-    async def evaluation(self, eval_id: str, index: int, wait_s: float) -> tuple[Mapping[str, Any], int]:
-        params = {"index": str(index), "wait": f"{max(1, int(wait_s))}s"} if index else {}
-        reply, header = await self._call("GET", f"/v1/evaluation/{quote(eval_id, safe='')}", params=params)
-        try:
-            new_index = int(header or 0)
-        except ValueError:
-            new_index = 0
-        return (reply if isinstance(reply, dict) else {}), new_index
-
-
-def summarize(failed_tg_allocs: Mapping[str, Any], job: Mapping[str, Any] | None) -> str:
-    """Nomad's reason in the words the watcher uses everywhere else (imported when first needed,
-    so the router starts without the control plane's modules loaded)."""
-    from nomad_driver.placement import summarize_placement
-
-    return summarize_placement(dict(failed_tg_allocs), job=dict(job) if job is not None else None)
+    # False when no attempt was needed after all (a replica became ready, or the model was
+    # parked, before the watcher answered): nothing to count, and no demand to note.
+    asked: bool = True
 
 
 @dataclass
@@ -157,14 +77,18 @@ class Room:
 class Activator:
     def __init__(
         self,
-        nomad: NomadClient,
+        ask: Callable[[str], float],
+        served: Callable[[str], None],
         discovery: Discovery,
         metrics: RouterMetrics,
         timeouts: Timeouts,
         retry_after_s: int,
         max_waiting: int = 128,
     ) -> None:
-        self.nomad = nomad
+        # `ask(model)` publishes an ask and returns its time; `served(model)` notes the model
+        # in use once placed (its activity, written at once).
+        self.ask = ask
+        self.served = served
         self.discovery = discovery
         self.metrics = metrics
         self.timeouts = timeouts
@@ -210,11 +134,10 @@ class Activator:
                 self._rooms.pop(model.name, None)
 
     async def _wait(self, model: Model, room: Room, arrived: float) -> None:
-        # What the watcher said about placement before this request: only a newer word counts
-        # (the older one is what this request's own attempt asks Nomad about afresh).
-        known = _placement_mark(self.discovery.snapshot.states.get(model.name))
         task = self._attempts.get(model.name)
-        if task is None:
+        # A finished attempt stays in the table until its done-callback runs, a turn of the event
+        # loop later; a request that arrives in between asks afresh too.
+        if task is None or task.done():
             task = asyncio.create_task(self._attempt(model, room))
             self._attempts[model.name] = task
             task.add_done_callback(lambda done: self._attempt_done(model.name, done))
@@ -226,6 +149,11 @@ class Activator:
             self.metrics.refusals.labels(model.name, "unplaceable").inc()
             raise errors.unplaceable(model.name, result.reason)
         refusals_seen = room.refusals
+        # What the watcher has said about placement by the time this request's own attempt was
+        # placed is about an evaluation no newer than the attempt's: only a later word counts.
+        # Taken at arrival instead, a "no room" the watcher found while the attempt ran (before
+        # another model was scaled down to make room) refused a request Nomad had just placed.
+        known = _placement_mark(self.discovery.snapshot.states.get(model.name))
         window = model.activation_timeout_s
         deadline = arrived + window
         while True:
@@ -283,24 +211,18 @@ class Activator:
 
     async def _attempt(self, model: Model, room: Room) -> AttemptResult:
         try:
-            result = await self._scale_and_evaluate(model)
-        except NomadError as exc:
-            self.metrics.activations.labels(model.name, "error").inc()
-            log.warning("activation of %s failed: %s", model.name, exc)
-            return AttemptResult(placed=False, error=_nomad_failure(model, exc), finished=time.monotonic())
+            result = await self._ask_and_wait(model)
         except Exception as exc:
             self.metrics.activations.labels(model.name, "error").inc()
             log.exception("activation of %s failed", model.name)
             return AttemptResult(
-                placed=False,
-                error=RouterError(
-                    503,
-                    "activation_failed",
-                    f"activating model '{model.name}' failed: {exc}",
-                    type_="server_error",
-                ),
-                finished=time.monotonic(),
+                placed=False, error=activation_failed(model, str(exc)), finished=time.monotonic()
             )
+        if result.error is not None:
+            self.metrics.activations.labels(model.name, "error").inc()
+            return result
+        if not result.asked:
+            return result
         self.metrics.activations.labels(model.name, "placed" if result.placed else "unplaceable").inc()
         if not result.placed:
             log.warning(
@@ -311,102 +233,51 @@ class Activator:
             room.refusals += 1
             room.refusal = errors.unplaceable(model.name, result.reason)
             self.discovery.notify(model.name)
+        else:
+            # Noted once Nomad placed it, not before: a refused request is no demand.
+            self.served(model.name)
         return result
 
-    async def _scale_and_evaluate(self, model: Model) -> AttemptResult:
-        job = await self.nomad.job(model.job_id)
-        groups = job.get("TaskGroups") or []
-        if not groups:
-            raise NomadError(404, f"job {model.job_id} has no task group")
-        group = groups[0]
-        group_name = str(group.get("Name") or "")
-        current = int(group.get("Count") or 0)
-        # At least one, at least the minimum, never past the maximum; an already running count
-        # is kept, and scaling to it still makes Nomad evaluate the job afresh.
-        target = min(max(current, model.replicas_min, 1), max(model.replicas_max, 1))
-        try:
-            reply = await self.nomad.scale(
-                model.job_id,
-                group_name,
-                target,
-                f"llmgw router: request for {model.name} with no ready replica",
-            )
-        except NomadError as exc:
-            if exc.status == 400 and "active deployment" in str(exc):
-                # A deployment is rolling the job out right now: its allocations are placed
-                # and starting, which is what this attempt would have asked for.
-                await self._record_activity(model)
-                return AttemptResult(placed=True, finished=time.monotonic())
-            raise
-        eval_id = str(reply.get("EvalID") or "")
-        if not eval_id:
-            await self._record_activity(model)
-            return AttemptResult(placed=True, finished=time.monotonic())
-        evaluation = await self._wait_evaluation(eval_id)
-        failed = evaluation.get("FailedTGAllocs") or {}
-        if failed:
-            if target != current:
-                await self._undo(model, group_name, current, target, reply.get("JobModifyIndex"))
-            return AttemptResult(
-                placed=False, reason=summarize(failed, job), eval_id=eval_id, finished=time.monotonic()
-            )
-        if evaluation.get("Status") == "failed":
-            raise NomadError(
-                500, f"evaluation {eval_id} failed: {evaluation.get('StatusDescription') or 'no description'}"
-            )
-        # Written once Nomad placed it, not before: a refused request is no demand, and the
-        # watcher must be free to scale down a model nobody could be served by.
-        await self._record_activity(model)
-        return AttemptResult(placed=True, eval_id=eval_id, finished=time.monotonic())
-
-    async def _record_activity(self, model: Model) -> None:
-        # The watcher scales idle models down by this key; a model being activated is in use.
-        try:
-            await self.discovery.put_kv(activity_key(model.name), f"{time.time():.3f}")
-        except ConsulUnavailable as exc:
-            log.warning("could not record activity for %s after activation: %s", model.name, exc)
-
-    async def _undo(self, model: Model, group: str, previous: int, raised: int, modify_index: Any) -> None:
-        """Put the count back after a refused attempt, so that Nomad's blocked evaluation does
-        not start the model later for a client that was told "unplaceable" and left. Only while
-        the job is as this attempt left it: a count someone else set since (the watcher,
-        another router, an operator) is theirs to keep."""
-        try:
-            job = await self.nomad.job(model.job_id)
-            groups = job.get("TaskGroups") or []
-            count = int(groups[0].get("Count") or 0) if groups else -1
-            if count != raised or (modify_index and job.get("JobModifyIndex") != modify_index):
-                log.info(
-                    "not undoing the activation of %s: its job changed since (count %d)", model.name, count
-                )
-                return
-            await self.nomad.scale(
-                model.job_id,
-                group,
-                previous,
-                f"llmgw router: undo the activation of {model.name}: Nomad could not place it",
-            )
-        except NomadError as exc:
-            log.warning("could not put %s's count back to %d: %s", model.name, previous, exc)
-
-    async def _wait_evaluation(self, eval_id: str) -> Mapping[str, Any]:
-        deadline = time.monotonic() + self.timeouts.evaluation_s
-        index = 0
+    async def _ask_and_wait(self, model: Model) -> AttemptResult:
+        """Ask the leading watcher and wait for its attempt for this ask (or a later one)."""
+        asked = self.ask(model.name)
+        window = self.timeouts.evaluation_s
+        deadline = time.monotonic() + window
         while True:
-            started = time.monotonic()
-            evaluation, returned = await self.nomad.evaluation(eval_id, index, min(deadline - started, 10.0))
-            if evaluation.get("Status") in EVAL_DONE:
-                return evaluation
-            if time.monotonic() >= deadline:
-                raise NomadError(
-                    504,
-                    f"evaluation {eval_id} still {evaluation.get('Status') or 'pending'} after "
-                    f"{self.timeouts.evaluation_s:.0f}s",
+            snapshot = self.discovery.snapshot
+            state = snapshot.states.get(model.name)
+            removed = bool(snapshot.models) and model.name not in snapshot.models
+            if snapshot.ready.get(model.name) or removed or (state is not None and state.parked):
+                # Served, or refused as parked or removed, by the waiting loop: no watcher
+                # answers for a model it no longer has or will not place.
+                return AttemptResult(placed=True, finished=time.monotonic(), asked=False)
+            attempt = state.attempt if state is not None else None
+            if attempt is not None and attempt.asked >= asked:
+                now = time.monotonic()
+                if attempt.result == "unplaceable":
+                    return AttemptResult(
+                        placed=False, reason=attempt.reason, eval_id=attempt.eval, finished=now
+                    )
+                if attempt.result == "error":
+                    log.warning("activation of %s failed: %s", model.name, attempt.reason)
+                    return AttemptResult(
+                        placed=False,
+                        error=activation_failed(model, f"the watcher could not scale it: {attempt.reason}"),
+                        finished=now,
+                    )
+                return AttemptResult(placed=True, eval_id=attempt.eval, finished=now)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return AttemptResult(
+                    placed=False,
+                    error=activation_failed(
+                        model,
+                        f"no watcher answered its activation within {window:.0f}s "
+                        "(is a watcher running and leading, and can it reach Nomad?)",
+                    ),
+                    finished=time.monotonic(),
                 )
-            index = next_index(index, returned)
-            # A server that answers a blocking read at once must not turn this into a busy loop.
-            if time.monotonic() - started < 0.05:
-                await asyncio.sleep(0.05)
+            await self.discovery.wait_change(model.name, remaining)
 
 
 def _placement_mark(state: ModelState | None) -> tuple[str, float]:
@@ -415,19 +286,5 @@ def _placement_mark(state: ModelState | None) -> tuple[str, float]:
     return (state.placement_eval, state.updated_at)
 
 
-def _nomad_failure(model: Model, exc: NomadError) -> RouterError:
-    if exc.status == 404:
-        return RouterError(
-            503,
-            "model_not_deployed",
-            f"model '{model.name}' has no Nomad job {model.job_id}: {exc}; run 'llmgw apply' with its definition",
-            type_="model_unavailable",
-            headers=errors.NO_RETRY,
-        )
-    return RouterError(
-        503,
-        "activation_failed",
-        f"model '{model.name}' has no ready replica and asking Nomad to start one failed: {exc}",
-        type_="server_error",
-        headers=((b"retry-after", b"5"),),
-    )
+def activation_failed(model: Model, why: str) -> RouterError:
+    return errors.activation_failed(model.name, why)

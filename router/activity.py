@@ -7,8 +7,11 @@ never shows in a request's latency:
 - `llmgw/activity/<model>`: when the model was last asked for, as Unix time. Noted when a
   request starts and again when it ends: the idle clock starts when the last request ends.
 - `llmgw/inflight/<router>`: this router's requests in flight, per model, with the replicas
-  they are on (`{"router", "at", "interval_s", "models": {model: {"requests", "replicas"}}}`).
-  Rewritten every interval while any request is open, and once more when the last one ends;
+  they are on and its latest ask (`{"router", "at", "interval_s", "models": {model:
+  {"requests", "replicas", "asked"}}}`). Rewritten every interval while any request is open,
+  and once more when the last one ends; at once for an ask (a request with no ready replica,
+  which the leading watcher answers), and soon after a model's requests double (a burst the
+  watcher's load rule answers at once);
   a router that stops refreshing it (a crash) is ignored once `at` is three intervals old.
   One key per router, not per request or per model, so it costs the same however busy the
   router is; the watcher sums it over routers (see docs/design.md).
@@ -17,6 +20,7 @@ never shows in a request's latency:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -36,6 +40,8 @@ Writer = Callable[[str, str], Awaitable[None]]
 # The "replica" of a request still waiting for one (activation): counted as in flight for the
 # model, on no replica.
 WAITING = ""
+# Prompt writes (an ask, a burst) are at most this often: a storm of asks is one write.
+PROMPT_GAP_S = 0.1
 
 
 def default_router_id() -> str:
@@ -56,6 +62,26 @@ class ActivityRecorder:
         # the last request ends says so, then an idle router writes nothing.
         self._published_busy = False
         self._task: asyncio.Task[None] | None = None
+        # The latest ask per model, published while the model has requests open.
+        self._asks: dict[str, float] = {}
+        # Requests per model as last published: twice that is a burst worth writing at once.
+        self._published: dict[str, int] = {}
+        self._wake = asyncio.Event()
+
+    def ask(self, model: str) -> float:
+        """A request found no ready replica: publish an ask at once and return its time, which
+        the leader's attempt for it will carry (`ModelState.attempt.asked`). Called while that
+        request counts as in flight (`begin(model, WAITING)`), so the ask goes out with it."""
+        at = round(time.time(), 3)
+        self._asks[model] = max(at, self._asks.get(model, 0.0))
+        self._wake.set()
+        return self._asks[model]
+
+    def served(self, model: str) -> None:
+        """The leader placed a replica for this router's ask: the model is in use from now, and
+        written at once so the watcher does not take it down before the request ends."""
+        self.touch(model)
+        self._wake.set()
 
     def touch(self, model: str) -> None:
         self._pending[model] = time.time()
@@ -65,6 +91,9 @@ class ActivityRecorder:
         flight until `end`."""
         on_model = self._open.setdefault(model, {})
         on_model[replica] = on_model.get(replica, 0) + 1
+        total = sum(on_model.values())
+        if total >= 2 and total >= 2 * self._published.get(model, 0):
+            self._wake.set()
 
     def end(self, model: str, replica: str, *, demand: bool = True) -> None:
         """`demand=False` for a wait that ended without a replica (refused, or the client
@@ -78,20 +107,27 @@ class ActivityRecorder:
                 on_model.pop(replica, None)
                 if not on_model:
                     del self._open[model]
+                    self._asks.pop(model, None)
         # The idle clock starts now, not when the request began.
         if demand:
             self.touch(model)
 
     def in_flight(self) -> dict[str, Any]:
         """The in-flight key's value as of now."""
+        models: dict[str, Any] = {}
+        for model, replicas in sorted(self._open.items()):
+            use: dict[str, Any] = {
+                "requests": sum(replicas.values()),
+                "replicas": sorted(r for r in replicas if r),
+            }
+            if model in self._asks:
+                use["asked"] = self._asks[model]
+            models[model] = use
         return {
             "router": self.router_id,
             "at": round(time.time(), 3),
             "interval_s": self.interval_s,
-            "models": {
-                model: {"requests": sum(replicas.values()), "replicas": sorted(r for r in replicas if r)}
-                for model, replicas in sorted(self._open.items())
-            },
+            "models": models,
         }
 
     def start(self) -> None:
@@ -109,8 +145,13 @@ class ActivityRecorder:
 
     async def _run(self) -> None:
         while True:
-            await asyncio.sleep(self.interval_s)
+            # asyncio.timeout, not wait_for (a cancel can be swallowed on 3.11 by wait_for).
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.interval_s):
+                    await self._wake.wait()
+            self._wake.clear()
             await self.flush()
+            await asyncio.sleep(PROMPT_GAP_S)
 
     async def flush(self) -> None:
         pending, self._pending = self._pending, {}
@@ -123,9 +164,11 @@ class ActivityRecorder:
                 log.warning("could not record activity for %s: %s", model, exc)
         if self._open or self._published_busy:
             busy = bool(self._open)
+            value = self.in_flight()
             try:
-                await self._write(inflight_key(self.router_id), json.dumps(self.in_flight()))
+                await self._write(inflight_key(self.router_id), json.dumps(value))
             except ConsulUnavailable as exc:
                 log.warning("could not publish requests in flight: %s", exc)
                 return
             self._published_busy = busy
+            self._published = {m: use["requests"] for m, use in value["models"].items()}

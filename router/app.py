@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import hmac
-import json
 import logging
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
@@ -19,13 +18,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, Gauge, generate_latest
 from yarl import URL
 
 from nomad_driver.certs import register_cert_collector
+from nomad_driver.safeload import LoadError, json_loads
 from router import errors
 from router import status as views
-from router.activation import Activator, NomadClient
+from router.activation import Activator
 from router.activity import WAITING, ActivityRecorder
 from router.assemble import USAGE_COUNTED, AssemblyFailed, assemble, needs_stream, streamed_body
 from router.client import BODY, FIRST_BYTE, STOPPED_READING, STREAM, UPSTREAM, ClientConnection, ClientLeft
@@ -80,17 +80,18 @@ class RouterApp:
             config.consul, models_file=config.models_file, on_change=self._snapshot_changed
         )
         self.upstream = Upstream(config.timeouts)
-        self.nomad = NomadClient(config.nomad)
         self.activation = activation
+        self.activity = ActivityRecorder(self.discovery.put_kv, config.activity_interval_s)
+        # The router asks; the leading watcher scales (the one writer of every job's count).
         self.activator = Activator(
-            self.nomad,
+            self.activity.ask,
+            self.activity.served,
             self.discovery,
             self.metrics,
             config.timeouts,
             config.retry_after_s,
             max_waiting=config.max_waiting,
         )
-        self.activity = ActivityRecorder(self.discovery.put_kv, config.activity_interval_s)
         self._keys = tuple(k.encode() for k in config.api_keys)
         self._urls: dict[tuple[str, int, str], URL] = {}
         self._seen_models: set[str] = set()
@@ -99,6 +100,12 @@ class RouterApp:
                 self._replica_counts, self.discovery.watch_ages, lambda: self.discovery.consul_up
             )
         )
+        held = self.upstream.held
+        Gauge(
+            "llmgw_router_backlog_bytes",
+            "Bytes of streams read from replicas ahead of their clients, not yet sent to them.",
+            registry=self.metrics.registry,
+        ).set_function(lambda: held.bytes)
         self._started = False
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -108,7 +115,6 @@ class RouterApp:
             return
         self._started = True
         await self.upstream.start()
-        await self.nomad.start()
         await self.discovery.start()
         self.activity.start()
         # Everything allocated so far lives as long as the process; taking it out of the
@@ -122,7 +128,6 @@ class RouterApp:
         await self.activator.close()
         await self.activity.stop()
         await self.discovery.stop()
-        await self.nomad.close()
         await self.upstream.close()
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
@@ -241,8 +246,9 @@ class RouterApp:
                 if auth is None:
                     raise errors.unauthorized("missing API key: send it as 'Authorization: Bearer <key>'")
                 self._check_key(auth)
+            timeouts = self.config.timeouts
             body = await read_body(
-                receive, self.config.limits.max_body_bytes, self.config.timeouts.body_read_s
+                receive, self.config.limits.max_body_bytes, timeouts.body_read_s, timeouts.request_body_s
             )
             request = parse_request(body)
             model = request["model"]
@@ -438,6 +444,9 @@ class RouterApp:
                     f"({type(exc).__name__}); retry",
                     type_="server_error",
                 ) from exc
+            if resp.status >= 400:
+                # An engine's error quotes what it was given: a source, a token, a header.
+                payload = errors.redacted(payload)
             headers.append((b"content-length", str(len(payload)).encode()))
             await client.send({"type": "http.response.start", "status": resp.status, "headers": headers})
             self.metrics.observe_ttfb(model, time.monotonic() - arrived)
@@ -496,6 +505,7 @@ class RouterApp:
                 between_chunks_s=self.config.timeouts.between_chunks_s,
                 on_first_byte=first_byte,
                 on_done=client.mark_answered,
+                held=self.upstream.held,
             )
         except StreamBroken as exc:
             resp.close()
@@ -534,12 +544,12 @@ class RouterApp:
             type_="server_error" if resp.status >= 500 else "invalid_request_error",
         )
         try:
-            upstream = json.loads(payload)
-        except ValueError:
+            upstream = json_loads(payload, f"the answer of replica {replica.id}")
+        except LoadError:
             upstream = None
         if isinstance(upstream, dict) and isinstance(upstream.get("error"), dict):
             # The engine's own error object, passed on as the SDK would have seen it.
-            frame = b"data: " + json.dumps({"error": upstream["error"]}).encode() + b"\n\n"
+            frame = errors.engine_error_frame(upstream["error"])
             await client.send({"type": "http.response.body", "body": frame, "more_body": True})
             await client.send({"type": "http.response.body", "body": b"", "more_body": False})
         else:

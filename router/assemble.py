@@ -15,7 +15,8 @@ from typing import Any
 
 import aiohttp
 
-from router.errors import RouterError
+from nomad_driver.safeload import LoadError, json_loads
+from router.errors import RouterError, redacted
 from router.proxy import EventTooLarge, StreamBroken, read_events
 
 # Engines that finish a non-streamed completion whoever listens. llama-server does look at the
@@ -82,9 +83,10 @@ class Assembler:
             self.done = True
             return
         try:
-            chunk = json.loads(data)
-        except ValueError as exc:
-            raise AssemblyFailed(f"the replica streamed an event that is not JSON: {data[:200]!r}") from exc
+            # Bounded: an engine's event nested ten thousand deep is a 502, not a RecursionError.
+            chunk = json_loads(data, "an event the replica streamed")
+        except LoadError as exc:
+            raise AssemblyFailed(f"{exc}: {data[:200]!r}") from exc
         if not isinstance(chunk, dict):
             raise AssemblyFailed(f"the replica streamed a JSON {type(chunk).__name__}, not an object")
         if isinstance(chunk.get("error"), dict):
@@ -160,7 +162,7 @@ async def assemble(
         # The engine's own error object, as it would have answered it without a stream.
         code = assembler.error.get("code")
         status = code if isinstance(code, int) and 400 <= code < 600 else 500
-        return status, _dumps({"error": assembler.error}), False
+        return status, redacted(_dumps({"error": assembler.error})), False
     if not assembler.complete():
         raise StreamBroken("the replica's stream ended before its last event")
     body, counted = assembler.answer()

@@ -14,9 +14,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from nomad_driver.endpoint import client_ssl_context, normalise_addr
+
 DEFAULT_LISTEN = "127.0.0.1:8080"
 DEFAULT_CONSUL = "http://127.0.0.1:8500"
-DEFAULT_NOMAD = "http://127.0.0.1:4646"
 ENGINE_SERVICE = "llmgw-engine"
 
 
@@ -38,8 +39,9 @@ class Timeouts:
     # Between two chunks of a stream once it flows: decoding emits a token every few
     # milliseconds, so a two-minute silence is a hung engine, not a slow one.
     between_chunks_s: float = 120.0
-    # How long a request waits for the model's activation evaluation from Nomad; the
-    # scheduler answers in well under a second unless it is badly backed up.
+    # How long a request waits for the leading watcher's answer to its ask (the attempt with
+    # Nomad's evaluation): a pass and a scheduler answer take well under a second, so 30 s
+    # without one means no watcher leads or it cannot reach Nomad.
     evaluation_s: float = 30.0
     # A client's request head (request line and headers) must arrive within this of its first
     # byte, or of the connection opening; one that dribbles a byte a second, or sends nothing,
@@ -48,10 +50,14 @@ class Timeouts:
     # Each read of a request body must bring something within this; a slow chunked body holds
     # a connection and a task for as long as the client likes otherwise.
     body_read_s: float = 30.0
+    # The whole body, from the end of its head: a byte every 29 s passes every read's deadline
+    # and would hold its connection for ever. An 8 MiB body needs 140 KB/s to make it; a chat
+    # request is one packet.
+    request_body_s: float = 60.0
     # One write to a client: a client that stops reading for this long is dropped and its
-    # replica's request cancelled, so it cannot hold an engine slot by not reading. nginx's
-    # send_timeout is 60 s; a one-slot engine (llama-cpp-python) is held this long by each
-    # stalled client, so its operators may want less. Env LLMGW_ROUTER_CLIENT_SEND_S.
+    # replica's request cancelled. Until then the stream is read ahead of it (router/proxy.py),
+    # so the engine is not held waiting, but it does generate for the stalled client until the
+    # answer ends or this runs out. nginx's send_timeout is 60 s. Env LLMGW_ROUTER_CLIENT_SEND_S.
     client_send_s: float = 30.0
 
 
@@ -63,7 +69,8 @@ class Limits:
     # Request line and headers together, enforced while they arrive (see router/server.py).
     max_header_bytes: int = 64 * 1024
     max_headers: int = 100
-    # Open client connections; past it the oldest idle one is closed for each new one. 0 means
+    # Open client connections; past it, for each new one, the one idle or sending its body
+    # slowly the longest is closed (router/server.py). 0 means
     # "from the file descriptor limit": each proxied request also holds one upstream socket.
     max_connections: int = 0
 
@@ -81,21 +88,7 @@ class ConsulSettings:
     wait_s: float = 55.0
 
     def ssl_context(self) -> ssl.SSLContext | None:
-        return _ssl_context(self.addr, self.cacert, self.client_cert, self.client_key)
-
-
-@dataclass(frozen=True)
-class NomadSettings:
-    addr: str = DEFAULT_NOMAD
-    token: str = ""
-    namespace: str = ""
-    region: str = ""
-    cacert: str = ""
-    client_cert: str = ""
-    client_key: str = ""
-
-    def ssl_context(self) -> ssl.SSLContext | None:
-        return _ssl_context(self.addr, self.cacert, self.client_cert, self.client_key)
+        return client_ssl_context(self.addr, self.cacert, self.client_cert, self.client_key)
 
 
 @dataclass(frozen=True)
@@ -103,7 +96,6 @@ class RouterConfig:
     host: str = "127.0.0.1"
     port: int = 8080
     consul: ConsulSettings = field(default_factory=ConsulSettings)
-    nomad: NomadSettings = field(default_factory=NomadSettings)
     # Empty means no authentication: the router then trusts whatever network reaches it.
     api_keys: tuple[str, ...] = ()
     tls_cert: str = ""
@@ -149,15 +141,6 @@ def parse_listen(value: str) -> tuple[str, int]:
     return host.strip("[]"), number
 
 
-def normalise_addr(addr: str, ssl_flag: str = "") -> str:
-    """`127.0.0.1:8500` (how CONSUL_HTTP_ADDR is often written) becomes a URL."""
-    addr = addr.strip().rstrip("/")
-    if "://" in addr:
-        return addr
-    scheme = "https" if ssl_flag.lower() in ("1", "true", "yes") else "http"
-    return f"{scheme}://{addr}"
-
-
 def load_api_keys(path: str = "", env_value: str = "") -> tuple[str, ...]:
     """One key a line from the file (blank lines and `#` comments skipped), plus the
     comma-separated `LLMGW_API_KEYS`."""
@@ -194,18 +177,6 @@ def consul_from_env(env: Mapping[str, str]) -> ConsulSettings:
     )
 
 
-def nomad_from_env(env: Mapping[str, str]) -> NomadSettings:
-    return NomadSettings(
-        addr=normalise_addr(env.get("NOMAD_ADDR") or DEFAULT_NOMAD),
-        token=env.get("NOMAD_TOKEN", ""),
-        namespace=env.get("NOMAD_NAMESPACE", ""),
-        region=env.get("NOMAD_REGION", ""),
-        cacert=env.get("NOMAD_CACERT", ""),
-        client_cert=env.get("NOMAD_CLIENT_CERT", ""),
-        client_key=env.get("NOMAD_CLIENT_KEY", ""),
-    )
-
-
 def from_env(env: Mapping[str, str] | None = None, **overrides: object) -> RouterConfig:
     env = os.environ if env is None else env
     host, port = parse_listen(env.get("LLMGW_ROUTER_LISTEN") or DEFAULT_LISTEN)
@@ -213,7 +184,6 @@ def from_env(env: Mapping[str, str] | None = None, **overrides: object) -> Route
         "host": host,
         "port": port,
         "consul": consul_from_env(env),
-        "nomad": nomad_from_env(env),
         "api_keys": load_api_keys("", env.get("LLMGW_API_KEYS", "")),
     }
     if env.get("LLMGW_ROUTER_MAX_WAITING"):
@@ -247,12 +217,3 @@ def _positive_seconds(name: str, value: str) -> float:
     if not 0 < seconds < float("inf"):
         raise ConfigError(f"{name}={value!r}: expected a positive number of seconds")
     return seconds
-
-
-def _ssl_context(addr: str, cacert: str, cert: str, key: str) -> ssl.SSLContext | None:
-    if not addr.startswith("https://"):
-        return None
-    ctx = ssl.create_default_context(cafile=cacert or None)
-    if cert:
-        ctx.load_cert_chain(cert, key or None)
-    return ctx

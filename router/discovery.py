@@ -1,5 +1,6 @@
 """What the router knows about the fleet: replicas from Consul's health API, model state and
-model definitions from Consul KV, each kept current by its own blocking-query loop.
+model definitions from Consul KV, each kept current by its own blocking-query loop
+(`nomad_driver.blocking.Watch`, the watcher's, over the one Consul client, `nomad_driver.consul`).
 
 Requests read the latest immutable `Snapshot` and never wait on Consul. When Consul goes away
 the loops keep retrying with jittered backoff and the router keeps serving from the snapshot it
@@ -11,30 +12,25 @@ and `llmgw_router_consul_up` say that it is flying blind.
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import aiohttp
-
-from nomad_driver.blocking import backoff_delay, next_index
-from nomad_driver.safeload import json_loads
-from nomad_driver.spec import Model, SpecError, parse_models
+from nomad_driver.blocking import Watch
+from nomad_driver.consul import Consul, ConsulError, ConsulUnavailable, KVEntry
+from nomad_driver.spec import Model, SpecError, decode_models_text, parse_models, problem_line
 from nomad_driver.state import CONFIG_MODELS_KEY, STATE_PREFIX, MalformedState, ModelState, parse_state
 from router.config import ConsulSettings
 
 log = logging.getLogger("llmgw.router.discovery")
 
-# Consul's docs ask blocking loops to rate-limit rather than sleep; a floor between calls keeps
-# a churning catalog from turning the loop into a busy poll while still reacting in tens of ms.
-MIN_CALL_INTERVAL_S = 0.05
-BACKOFF_CAP_S = 10.0
-CONSUL_ANSWER_MAX_BYTES = 256 * 1024 * 1024
+# `ConsulUnavailable` is the shared client's; router modules name it from here, beside the
+# snapshot it guards.
+__all__ = ["ConsulUnavailable", "Discovery", "Replica", "Snapshot", "parse_health", "parse_states"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,16 +70,6 @@ class Snapshot:
         """Defined models, plus any model a replica serves without a definition (an engine
         registered by hand still gets traffic)."""
         return set(self.models) | set(self.replicas)
-
-
-@dataclass
-class WatchStatus:
-    name: str
-    index: int = 0
-    last_success: float | None = None  # monotonic
-    ok: bool = False
-    error: str = ""
-    reads: int = 0
 
 
 def parse_health(entries: Any) -> dict[str, tuple[Replica, ...]]:
@@ -139,40 +125,24 @@ def _replica(entry: Mapping[str, Any]) -> Replica | None:
     )
 
 
-def parse_states(entries: Any) -> dict[str, ModelState]:
+def parse_states(entries: Iterable[KVEntry]) -> dict[str, ModelState]:
     """`/v1/kv/llmgw/state/?recurse` -> state by model; a malformed value is logged and read as
     "no state", so the router keeps serving that model rather than refusing it on garbage."""
-    if entries is None:
-        return {}
-    if not isinstance(entries, list):
-        raise ValueError(f"expected a JSON list of KV entries, got {type(entries).__name__}")
     states: dict[str, ModelState] = {}
     for entry in entries:
-        key = str(entry.get("Key", ""))
-        model = key[len(STATE_PREFIX) :]
-        if not model or "/" in model:
+        model = entry.key[len(STATE_PREFIX) :]
+        if not entry.key.startswith(STATE_PREFIX) or not model or "/" in model:
             continue
         try:
-            states[model] = parse_state(key, _kv_value(entry))
+            states[model] = parse_state(entry.key, entry.value)
         except MalformedState as exc:
             log.warning("%s; treating model %s as having no state", exc, model)
     return states
 
 
-def _kv_value(entry: Mapping[str, Any]) -> bytes | None:
-    value = entry.get("Value")
-    if value is None:
-        return None
-    return base64.b64decode(value)
-
-
-class ConsulUnavailable(RuntimeError):
-    pass
-
-
 class Discovery:
     """The three watches and the snapshot they build. Also the router's one Consul writer
-    (activity timestamps), since it already holds the session and the token."""
+    (activity timestamps, requests in flight), since it already holds the client."""
 
     def __init__(
         self,
@@ -184,44 +154,43 @@ class Discovery:
         self.settings = settings
         self.models_file = models_file
         self.snapshot = Snapshot()
-        self.watches = {name: WatchStatus(name) for name in ("replicas", "states", "models")}
+        # A pool smaller than the watcher's: three long polls and the activity writes. The
+        # client outwaits each blocking read (its wait plus Consul's jitter), so a healthy watch
+        # is never cut by its own timeout.
+        self.consul = Consul(
+            settings.addr,
+            token=settings.token,
+            timeout=10.0,
+            ssl_context=settings.ssl_context(),
+            max_connections=16,
+        )
+        self.replica_watch: Watch[tuple[dict[str, Any], ...]] = Watch(
+            "replicas", self._fetch_health, on_change=self._apply_health, logger=log
+        )
+        self.state_watch: Watch[tuple[KVEntry, ...]] = Watch(
+            "states", self._fetch_states, on_change=self._apply_states, logger=log
+        )
+        self.models_watch: Watch[KVEntry | None] = Watch(
+            "models", self._fetch_models, on_change=self._apply_models, logger=log
+        )
+        self.watches = {w.name: w for w in (self.replica_watch, self.state_watch, self.models_watch)}
         self._on_change = on_change
         self._waiters: dict[str, asyncio.Event] = {}
         self._tasks: list[asyncio.Task[None]] = []
-        self._http: aiohttp.ClientSession | None = None
         self._file_models: tuple[Mapping[str, Model], str, str] | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
 
     async def start(self) -> None:
-        headers = {"X-Consul-Token": self.settings.token} if self.settings.token else {}
-        self._http = aiohttp.ClientSession(
-            base_url=self.settings.addr,
-            headers=headers,
-            connector=aiohttp.TCPConnector(ssl=self.settings.ssl_context() or False, limit=16),
-            # Longer than the blocking wait plus Consul's jitter (wait/16), so a healthy watch
-            # is never cut by its own client.
-            timeout=aiohttp.ClientTimeout(
-                total=None, sock_connect=5, sock_read=self.settings.wait_s * 1.2 + 5
-            ),
-        )
-        loops: list[tuple[str, str, dict[str, str], Callable[[Any], None]]] = [
-            ("replicas", f"/v1/health/service/{self.settings.service}", {}, self._apply_health),
-            ("states", f"/v1/kv/{STATE_PREFIX}", {"recurse": "true"}, self._apply_states),
-            ("models", f"/v1/kv/{CONFIG_MODELS_KEY}", {}, self._apply_models),
-        ]
-        for name, path, params, apply in loops:
-            task = asyncio.create_task(self._watch(self.watches[name], path, params, apply))
-            self._tasks.append(task)
+        for watch in self.watches.values():
+            self._tasks.append(asyncio.create_task(watch.run()))
 
     async def stop(self) -> None:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
-        if self._http is not None:
-            await self._http.close()
-            self._http = None
+        await self.consul.close()
 
     # -- what the rest of the router reads ---------------------------------------------------
 
@@ -261,82 +230,40 @@ class Discovery:
             event.set()
 
     async def put_kv(self, key: str, value: str, timeout: float = 5.0) -> None:
-        if self._http is None:
-            raise ConsulUnavailable("discovery is not started")
+        """Raises ConsulUnavailable whatever went wrong: for the router a write Consul refused
+        and one it never got are the same, the value is written again at the next interval."""
         try:
-            async with self._http.put(
-                f"/v1/kv/{key}", data=value.encode(), timeout=aiohttp.ClientTimeout(total=timeout)
-            ) as resp:
-                if resp.status != 200:
-                    text = (await resp.text())[:200]
-                    raise ConsulUnavailable(f"PUT {key} at {self.settings.addr}: HTTP {resp.status}: {text}")
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            raise ConsulUnavailable(
-                f"PUT {key} at {self.settings.addr}: {exc or type(exc).__name__}"
-            ) from exc
+            await self.consul.kv_put(key, value, timeout=timeout)
+        except ConsulUnavailable:
+            raise
+        except ConsulError as exc:
+            raise ConsulUnavailable(str(exc)) from exc
 
-    # -- the loops ----------------------------------------------------------------------------
+    # -- the loops: one blocking read each (nomad_driver.blocking.Watch runs them) ------------
 
-    async def _watch(
-        self, status: WatchStatus, path: str, params: Mapping[str, str], apply: Callable[[Any], None]
-    ) -> None:
-        failures = 0
-        while True:
-            started = time.monotonic()
-            try:
-                index_header, body = await self._read(path, {**params, **self._blocking(status)})
-                apply(body)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                failures += 1
-                message = f"{path} at {self.settings.addr}: {exc or type(exc).__name__}"
-                if status.ok or message != status.error:
-                    log.warning(
-                        "consul watch %s failed (serving from the last snapshot): %s", status.name, message
-                    )
-                status.ok = False
-                status.error = message
-                # Start over from a plain read: a Consul that restarted has a lower index, and a
-                # blocking read with the old one would be held for the whole wait (a minute of
-                # stale replicas, found by bench/soak.py).
-                status.index = 0
-                await asyncio.sleep(backoff_delay(failures, cap=BACKOFF_CAP_S))
-                continue
-            if not status.ok and status.error:
-                log.info("consul watch %s reads again", status.name)
-            failures = 0
-            status.index = next_index(status.index, index_header)
-            status.ok = True
-            status.error = ""
-            status.reads += 1
-            status.last_success = time.monotonic()
-            elapsed = time.monotonic() - started
-            if elapsed < MIN_CALL_INTERVAL_S:
-                await asyncio.sleep(MIN_CALL_INTERVAL_S - elapsed)
+    async def _fetch_health(self, index: int) -> tuple[int, tuple[dict[str, Any], ...]]:
+        new_index, entries = await self.consul.health_service(
+            self.settings.service, index=index, wait_s=self.settings.wait_s
+        )
+        return new_index, tuple(entries)
 
-    def _blocking(self, status: WatchStatus) -> dict[str, str]:
-        if status.index <= 0:
-            return {}
-        return {"index": str(status.index), "wait": f"{self.settings.wait_s:.0f}s"}
+    async def _fetch_states(self, index: int) -> tuple[int, tuple[KVEntry, ...]]:
+        new_index, entries = await self.consul.kv_get(
+            STATE_PREFIX, recurse=True, index=index, wait_s=self.settings.wait_s
+        )
+        return new_index, tuple(entries)
 
-    async def _read(self, path: str, params: Mapping[str, str]) -> tuple[str | None, Any]:
-        assert self._http is not None
-        async with self._http.get(path, params=params) as resp:
-            index = resp.headers.get("X-Consul-Index")
-            if resp.status == 404:
-                # A KV key or prefix that does not exist yet; the index is still valid to block on.
-                return index, None
-            if resp.status != 200:
-                text = (await resp.text())[:200]
-                raise ConsulUnavailable(f"HTTP {resp.status}: {text}")
-            # Consul's own answer; the values inside are read by parse_state and parse_models.
-            return index, json_loads(await resp.read(), path, max_bytes=CONSUL_ANSWER_MAX_BYTES)
+    async def _fetch_models(self, index: int) -> tuple[int, KVEntry | None]:
+        # None: the key does not exist (yet); the index is still valid to block on.
+        new_index, entries = await self.consul.kv_get(
+            CONFIG_MODELS_KEY, index=index, wait_s=self.settings.wait_s
+        )
+        return new_index, entries[0] if entries else None
 
     # -- turning answers into the snapshot ----------------------------------------------------
 
-    def _apply_health(self, body: Any) -> None:
-        replicas = parse_health(body if body is not None else [])
+    def _apply_health(self) -> None:
+        replicas = parse_health(list(self.replica_watch.snapshot.data) if self.replica_watch.snapshot else [])
         ready = {m: tuple(r for r in rs if r.ready) for m, rs in replicas.items()}
         ready = {m: rs for m, rs in ready.items() if rs}
         by_id = {r.id: r for rs in replicas.values() for r in rs}
@@ -353,10 +280,12 @@ class Discovery:
         for event in waiters.values():
             event.set()
 
-    def _apply_states(self, body: Any) -> None:
-        self._publish(replace(self.snapshot, states=parse_states(body)))
+    def _apply_states(self) -> None:
+        entries = self.state_watch.snapshot.data if self.state_watch.snapshot else ()
+        self._publish(replace(self.snapshot, states=parse_states(entries)))
 
-    def _apply_models(self, body: Any) -> None:
+    def _apply_models(self) -> None:
+        body = self.models_watch.snapshot.data if self.models_watch.snapshot else None
         if body is None and self.snapshot.models and self.snapshot.models_origin.startswith("consul:"):
             # The key vanished (a Consul that lost its data): keep routing on what was defined
             # rather than answer 404 for every model; the leading watcher writes it back.
@@ -372,15 +301,15 @@ class Discovery:
             return
         origin = f"consul:{CONFIG_MODELS_KEY}"
         try:
-            raw = _kv_value(body[0]) if isinstance(body, list) and body else None
-            text = raw.decode("utf-8") if raw else ""
+            text = decode_models_text(body.value, origin) if body.value else ""
             models = parse_models(text, origin=origin).models
-        except (SpecError, UnicodeDecodeError, ValueError) as exc:
+        except (SpecError, ValueError) as exc:
             # Keep routing on the definitions that last made sense; a typo in the models file
             # must not make the router forget every model.
             detail = str(exc).replace("\n", "; ")
             log.error("models in %s are not valid, keeping the previous ones: %s", origin, detail)
-            self._publish(replace(self.snapshot, models_error=f"{origin}: {detail}"))
+            # Worded as the watcher words it (problems about the whole file name it already).
+            self._publish(replace(self.snapshot, models_error=problem_line(origin, detail)))
             return
         self._publish(replace(self.snapshot, models=models, models_origin=origin, models_error=""))
 

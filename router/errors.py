@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
+from typing import Any
 
 from nomad_driver.spec import redact
 
@@ -53,7 +54,23 @@ def keepalive(model: str) -> bytes:
 
 
 def error_body(message: str, type_: str, code: str, param: str | None = None) -> bytes:
-    return json.dumps({"error": {"message": message, "type": type_, "param": param, "code": code}}).encode()
+    # Redacted for every answer the router writes itself: its messages quote what engines and
+    # Nomad said, and they quote what they were given (a source, a header).
+    error = {"message": redact(message), "type": type_, "param": param, "code": code}
+    return json.dumps({"error": error}).encode()
+
+
+def redacted(payload: bytes) -> bytes:
+    """An engine's own error answer, as it sent it but for anything credential-shaped: masked
+    as `redact` masks it, which keeps JSON valid JSON."""
+    text = payload.decode("utf-8", "replace")
+    masked = redact(text)
+    return payload if masked == text else masked.encode()
+
+
+def engine_error_frame(error: dict[str, Any]) -> bytes:
+    """The engine's own error object as one server-sent event, redacted."""
+    return b"data: " + redacted(json.dumps({"error": error}).encode()) + b"\n\n"
 
 
 def bad_request(message: str, code: str = "invalid_request", param: str | None = None) -> RouterError:
@@ -117,15 +134,17 @@ def loading(model: str, waited_s: float, retry_after_s: int) -> RouterError:
 
 
 def overloaded(model: str, waiting: int, retry_after_s: int) -> RouterError:
-    # 429, not 503: the model is coming, there is just no room in the queue for it yet, and the
-    # SDKs back off on 429 with Retry-After rather than treating the model as down.
+    # 429, not 503: the model is coming, there is just no room in the queue for it yet. Not
+    # retried by the SDK: its two quick retries would land on the same full queue (a cold start
+    # takes minutes) and triple the arrivals at it; the caller gets RateLimitError at once, with
+    # Retry-After for its own back-off.
     return RouterError(
         429,
         "model_overloaded",
         f"model '{model}' has no ready replica and {waiting} requests already wait for one; "
         f"retry in {retry_after_s}s",
         type_="rate_limit_error",
-        headers=((b"retry-after", str(retry_after_s).encode()),),
+        headers=((b"retry-after", str(retry_after_s).encode()), *NO_RETRY),
     )
 
 
@@ -136,4 +155,20 @@ def removed(model: str) -> RouterError:
         f"model '{model}' was removed from the definitions while this request waited for it",
         param="model",
         headers=NO_RETRY,
+    )
+
+
+# An activation nobody answered is worth asking again soon: a watcher takes over within seconds.
+RETRY_ACTIVATION = ((b"retry-after", b"5"),)
+
+
+def activation_failed(model: str, why: str) -> RouterError:
+    """No ready replica, and the ask for one got no answer it can act on: no watcher answered
+    within the window (none leads, or it cannot reach Nomad), or Nomad refused the scale."""
+    return RouterError(
+        503,
+        "activation_failed",
+        f"model '{model}' has no ready replica and starting one failed: {redact(why)}; retry shortly",
+        type_="server_error",
+        headers=RETRY_ACTIVATION,
     )

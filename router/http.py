@@ -53,15 +53,21 @@ def read_headers(scope: Scope, limits: Limits) -> tuple[bytes | None, bytes | No
     return auth, session
 
 
-async def read_body(receive: Receive, limit: int, timeout_s: float = 30.0) -> bytes:
+async def read_body(receive: Receive, limit: int, timeout_s: float = 30.0, total_s: float = 60.0) -> bytes:
+    """The request body, each read within `timeout_s` and the whole within `total_s`."""
     chunks: list[bytes] = []
     size = 0
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + total_s
     while True:
+        left = deadline - loop.time()
         try:
-            async with asyncio.timeout(timeout_s):
+            async with asyncio.timeout(min(timeout_s, left)):
                 message = await receive()
         except TimeoutError:
-            raise body_timeout(size, timeout_s) from None
+            if timeout_s < left:
+                raise body_timeout(f"nothing for {timeout_s:g}s after {size} bytes") from None
+            raise body_timeout(f"{size} bytes so far", total_s) from None
         if message["type"] == "http.disconnect":
             raise ClientGone
         chunk = message.get("body", b"")
@@ -98,14 +104,18 @@ def parse_request(body: bytes) -> dict[str, Any]:
     return request
 
 
-def body_timeout(size: int, timeout_s: float) -> RouterError:
+def body_timeout(detail: str, total_s: float | None = None) -> RouterError:
     # Connection: close, so that the rest of a slow body does not keep the connection (and
     # its file descriptor) open after the answer.
+    what = (
+        f"the request body did not arrive within {total_s:g}s ({detail})"
+        if total_s is not None
+        else f"the request body stopped arriving: {detail}"
+    )
     return RouterError(
         408,
         "request_timeout",
-        f"the request body stopped arriving: nothing for {timeout_s:g}s after {size} bytes; "
-        "send the whole body at once",
+        f"{what}; send the whole body at once",
         headers=((b"connection", b"close"),),
     )
 

@@ -12,9 +12,11 @@ applies to the slower h11 parser, `timeout_keep_alive` starts only after a first
 So the router serves through `GuardedProtocol`, httptools' protocol with a few lines around
 it: bytes of a head are counted before the parser sees them, headers are counted as they are
 parsed, a timer runs from a head's first byte (or the connection's opening) to its end, and
-past the connection cap the oldest idle connection is closed for each new one, so a client
-that sends a request now (a health check) is always served. The cost is one addition per
-read and one timer per request; bench/router_bench.py measures it (docs/dev/benchmarks.md).
+past the connection cap the oldest idle connection is closed for each new one, else the oldest
+one whose body is arriving too slowly, so a client that sends a request now (a health check) is
+served however many connections an attacker holds open without finishing a request. The cost
+is one addition per read and one timer per request; bench/router_bench.py measures it
+(docs/dev/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -51,6 +53,12 @@ AUTO_MAX_CONNECTIONS = 16384
 # Dropped connections are logged at once, then summed up at most this often: under attack a
 # line per connection would be the next problem.
 DROP_LOG_INTERVAL_S = 30.0
+# A body arriving slower than this, averaged over at least SLOW_BODY_WINDOW_S, may be dropped to
+# make room past the cap. Clients send a chat request in one packet and upload at megabytes a
+# second; a body sent a byte every 29 s passes every read deadline and is never idle, and
+# without this, a few thousand of them made every newcomer, health checks included, a 503.
+SLOW_BODY_BYTES_PER_S = 16 * 1024
+SLOW_BODY_WINDOW_S = 1.0
 
 _REASONS = {408: "Request Timeout", 431: "Request Header Fields Too Large", 503: "Service Unavailable"}
 
@@ -79,8 +87,11 @@ class ConnectionGuard:
         self.max_headers = limits.max_headers
         self.head_s = timeouts.request_head_s
         self.max_connections = max_connections
-        # Insertion order is idle-since order; a dict is the ordered set.
-        self.idle: dict[GuardedProtocol, None] = {}
+        # Each with the time it became idle (opened, or answered); insertion order is that order.
+        self.idle: dict[GuardedProtocol, float] = {}
+        # Connections whose head is in and whose body is still arriving, in the order their
+        # bodies began.
+        self.reading: dict[GuardedProtocol, None] = {}
         self.dropped: Counter[str] = Counter()
         self._unlogged: Counter[str] = Counter()
         self._logged_at = 0.0
@@ -104,14 +115,29 @@ class ConnectionGuard:
             self._logged_at = now
 
     def make_room(self, newcomer: GuardedProtocol) -> None:
-        """Over the cap: close the connection idle the longest, or refuse the newcomer when every
-        other connection is busy with a request."""
-        for oldest in self.idle:
-            if oldest is not newcomer:
-                del self.idle[oldest]
-                oldest.transport.close()
-                self.note_drop("idle_over_cap")
-                return
+        """Over the cap: close the connection that has held its place for nothing the longest,
+        idle (opened or answered, no request since) or sending its body too slowly; refuse the
+        newcomer only when every other connection is busy with a request (being answered, or
+        sending its body at a client's speed). Oldest first across both, so that a client whose
+        request is a moment from arriving is not dropped for an attacker's hour-old trickle."""
+        now = time.monotonic()
+        idle = next(((c, since) for c, since in self.idle.items() if c is not newcomer), None)
+        slow = next((c for c in self.reading if c.body_rate(now) < SLOW_BODY_BYTES_PER_S), None)
+        if idle is not None and (slow is None or idle[1] <= slow.body_started):
+            del self.idle[idle[0]]
+            idle[0].transport.close()
+            self.note_drop("idle_over_cap")
+            return
+        if slow is not None:
+            slow.refuse(
+                408,
+                "request_timeout",
+                "the router is at its connection limit and this request's body was arriving too "
+                f"slowly ({slow.body_bytes} bytes in {now - slow.body_started:.1f}s); "
+                "send the whole body at once",
+                reason="slow_body_over_cap",
+            )
+            return
         newcomer.refuse(503, "too_many_connections", "the router is at its connection limit; retry shortly")
 
 
@@ -144,7 +170,9 @@ class GuardedProtocol(HttpToolsProtocol):
         self._message_done = True
         self._refused = False
         self._head_timer: asyncio.TimerHandle | None = None
-        self.guard.idle[self] = None
+        self.body_started = 0.0
+        self.body_bytes = 0
+        self.guard.idle[self] = time.monotonic()
         # From the opening: a connection that never sends a byte is closed like a slow head.
         self._head_timer = self.loop.call_later(self.guard.head_s, self._head_timed_out)
         if len(self.connections) > self.guard.max_connections:
@@ -152,6 +180,7 @@ class GuardedProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.guard.idle.pop(self, None)
+        self.guard.reading.pop(self, None)
         self._cancel_head_timer()
         super().connection_lost(exc)
 
@@ -175,6 +204,8 @@ class GuardedProtocol(HttpToolsProtocol):
             self._tail = data[-3:]
             if self._head_timer is None:
                 self._head_timer = self.loop.call_later(self.guard.head_s, self._head_timed_out)
+        elif not self._message_done:
+            self.body_bytes += len(data)
         # uvicorn's own data_received, except that a head refused above, in a parser callback,
         # is not also answered 400 and logged as an invalid request.
         self._unset_keepalive_if_required()
@@ -206,6 +237,9 @@ class GuardedProtocol(HttpToolsProtocol):
         self._in_head = False
         self._cancel_head_timer()
         self.guard.idle.pop(self, None)
+        self.guard.reading[self] = None
+        self.body_started = time.monotonic()
+        self.body_bytes = 0
         guard = self.guard
         if self._header_count > guard.max_headers:
             self.refuse(
@@ -224,6 +258,7 @@ class GuardedProtocol(HttpToolsProtocol):
 
     def on_message_complete(self) -> None:
         self._message_done = True
+        self.guard.reading.pop(self, None)
         self._in_head = True
         self._head_bytes = 0
         self._tail = b""
@@ -239,21 +274,28 @@ class GuardedProtocol(HttpToolsProtocol):
             self.transport.close()
             return
         if not self.pipeline:
-            self.guard.idle[self] = None
+            self.guard.idle[self] = time.monotonic()
 
     def send_400_response(self, msg: str) -> None:
         if self._refused or self.transport.is_closing():
             return
         super().send_400_response(msg)
 
-    def refuse(self, status: int, code: str, message: str) -> None:
-        """Answer with an OpenAI-style error and close the connection."""
+    def body_rate(self, now: float) -> float:
+        """Bytes a second of the body so far, over at least SLOW_BODY_WINDOW_S: a body that has
+        just begun is judged by what a second at that pace would bring."""
+        return self.body_bytes / max(now - self.body_started, SLOW_BODY_WINDOW_S)
+
+    def refuse(self, status: int, code: str, message: str, *, reason: str = "") -> None:
+        """Answer with an OpenAI-style error and close the connection; counted as `reason`
+        (the code unless given)."""
         if self._refused:
             return
         self._refused = True
         self._cancel_head_timer()
         self.guard.idle.pop(self, None)
-        self.guard.note_drop(code)
+        self.guard.reading.pop(self, None)
+        self.guard.note_drop(reason or code)
         body = json.dumps(
             {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}
         ).encode()
@@ -306,7 +348,7 @@ class GuardCollector(Collector):
             closed.add_metric([reason], count)
         cap = GaugeMetricFamily(
             "llmgw_router_max_connections",
-            "Open client connections past which the oldest idle one is closed.",
+            "Open client connections past which the one idle, or sending its body slowly, the longest is closed.",
         )
         cap.add_metric([], self.guard.max_connections)
         return [closed, cap]

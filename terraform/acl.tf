@@ -20,17 +20,6 @@ resource "nomad_acl_policy" "watcher" {
   EOT
 }
 
-resource "nomad_acl_policy" "router" {
-  name        = "llmgw-router"
-  description = "llmgw router: scales an on-demand model job up when a request asks for it, and reads the job and its evaluation."
-
-  rules_hcl = <<-EOT
-    namespace "${var.models_namespace}" {
-      capabilities = ["read-job", "scale-job"]
-    }
-  EOT
-}
-
 resource "nomad_acl_policy" "node_agent" {
   name        = "llmgw-node-agent"
   description = "llmgw node agent: publishes GPU health, engine versions and cached weights as dynamic node metadata."
@@ -65,11 +54,7 @@ resource "nomad_acl_token" "watcher" {
   policies = [nomad_acl_policy.watcher.name]
 }
 
-resource "nomad_acl_token" "router" {
-  name     = "llmgw-router"
-  type     = "client"
-  policies = [nomad_acl_policy.router.name]
-}
+# No Nomad token for the routers: they ask the leading watcher (through Consul) to scale.
 
 resource "nomad_acl_token" "node_agent" {
   name     = "llmgw-node-agent"

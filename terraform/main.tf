@@ -50,7 +50,6 @@ resource "nomad_variable" "watcher" {
 resource "nomad_variable" "router" {
   path = "nomad/jobs/${local.job_ids.router}"
   items = {
-    nomad_token  = nomad_acl_token.router.secret_id
     consul_token = data.consul_acl_token_secret_id.router.secret_id
     api_keys     = join(",", var.api_keys)
   }
@@ -105,14 +104,10 @@ resource "nomad_job" "router" {
       image              = var.image
       datacenters        = jsonencode(var.datacenters)
       node_pool          = var.node_pool
-      nomad_addr         = var.nomad_addr
       consul_addr        = var.consul_addr
       router_count       = tostring(var.router_count)
       port               = tostring(var.router_port)
       tls_dir            = var.tls.dir
-      nomad_cacert       = var.tls.nomad_cacert
-      nomad_client_cert  = var.tls.nomad_client_cert
-      nomad_client_key   = var.tls.nomad_client_key
       consul_cacert      = var.tls.consul_cacert
       consul_client_cert = var.tls.consul_client_cert
       consul_client_key  = var.tls.consul_client_key

@@ -27,7 +27,6 @@ output "nomad_token_accessor_ids" {
   description = "Accessor IDs (not secrets) of the Nomad tokens, to find or revoke them with `nomad acl token info`."
   value = {
     watcher    = nomad_acl_token.watcher.accessor_id
-    router     = nomad_acl_token.router.accessor_id
     node_agent = nomad_acl_token.node_agent.accessor_id
   }
 }

@@ -3,7 +3,7 @@
 The table is the source of truth for the policies in `terraform/acl.tf`. tests/test_terraform.py
 checks those policies against it both ways (a call no rule allows, a rule no call needs or a
 level higher than any call needs), runs the Consul calls against a real Consul enforcing them,
-and scans the code for Consul and Nomad paths that have no line here. The grants follow the "ACL
+and traces each `llmgw` verb's code for calls that have no line here, and lines no call makes. The grants follow the "ACL
 Required" columns of Consul's and Nomad's API docs; where an endpoint accepts either of two Nomad
 capabilities, the narrower one is listed first.
 
@@ -125,6 +125,14 @@ CALLS: dict[Component, tuple[Call, ...]] = {
             _key("llmgw/leader", "read"),
             _key("llmgw/state/", "write", prefix=True),
         ),
+        # The leader puts back the definitions it runs on when llmgw/config/models was deleted
+        # (cas=0: only while the key is absent, so an operator's apply always wins).
+        _consul(
+            "PUT",
+            "/v1/kv/llmgw/config/models?cas=0",
+            "restore the definitions after the key was deleted",
+            _key("llmgw/config/models", "write"),
+        ),
         # The leader deletes the in-flight keys of routers gone for an hour (watcher/loop.py).
         _consul(
             "DELETE", "/v1/kv/llmgw/<key>", "remove a key llmgw owns", _key("llmgw/", "write", prefix=True)
@@ -191,9 +199,14 @@ CALLS: dict[Component, tuple[Call, ...]] = {
             "park, unpark, scale idle models down",
             _ns("scale-job", "submit-job"),
         ),
-        _nomad("GET", "/v1/job/<job>/evaluations", "placement results", _ns("read-job")),
         _nomad("GET", "/v1/allocations", "watch replicas and start failures", _ns("read-job")),
         _nomad("GET", "/v1/evaluations", "watch placement results", _ns("read-job")),
+        _nomad(
+            "GET",
+            "/v1/evaluation/<eval>",
+            "an activation's evaluation, read at once for the router",
+            _ns("read-job"),
+        ),
         _nomad(
             "GET",
             "/v1/client/fs/logs/<alloc>",
@@ -239,10 +252,7 @@ CALLS: dict[Component, tuple[Call, ...]] = {
             "this router's requests in flight per model",
             _key("llmgw/inflight/", "write", prefix=True),
         ),
-        # Nomad (router/activation.py): on-demand activation only.
-        _nomad("GET", "/v1/job/<job>", "the model job's group and count", _ns("read-job")),
-        _nomad("POST", "/v1/job/<job>/scale", "scale an on-demand model up", _ns("scale-job", "submit-job")),
-        _nomad("GET", "/v1/evaluation/<eval>", "wait for that attempt's evaluation", _ns("read-job")),
+        # No Nomad: the router asks (its in-flight key) and the leading watcher scales.
     ),
     "node-agent": (
         # Nomad (nomad_driver/node_agent/agent.py), on the local client agent.
@@ -282,13 +292,24 @@ CALLS: dict[Component, tuple[Call, ...]] = {
             "the GPUs a model that fits can land on",
             NomadGrant("node", "read"),
         ),
+        # A multi-node model's fabric, chosen as the watcher chooses it (nodes' meta, the GPUs
+        # allocations hold), and the node pool a profile without one lands in.
+        _nomad(
+            "GET", "/v1/node/<node>", "a node in full: its meta names its fabric", NomadGrant("node", "read")
+        ),
+        _nomad(
+            "GET", "/v1/allocations?resources=true", "the GPUs that are taken, per fabric", _ns("read-job")
+        ),
+        # Nomad authorises a namespace read with any capability in it; read-job is the one held.
+        _nomad("GET", "/v1/namespace/<namespace>", "the namespace's default node pool", _ns("read-job")),
     ),
 }
 
 # Every verb of the `llmgw` CLI and whose grants it runs with: a component's (the table above),
-# or none of Nomad's and Consul's at all. `ctl` talks only to a watcher's admin API: reads need
-# no token, `retry` needs LLMGW_ADMIN_TOKEN where the watchers set one.
-ADMIN_API = "the admin API only; no Nomad or Consul token"
+# or none of Nomad's and Consul's at all. `ctl` talks only to a watcher's admin API, which wants
+# LLMGW_ADMIN_TOKEN for `retry` where the watchers have one, and for every read where they listen
+# beyond loopback.
+ADMIN_API = "the admin API only, no Nomad or Consul token; `LLMGW_ADMIN_TOKEN` where the watchers listen beyond loopback"
 CLI_VERBS: dict[str, Component | str] = {
     "render": "nothing: reads the models file, writes files",
     "plan": "operator",
@@ -301,7 +322,7 @@ CLI_VERBS: dict[str, Component | str] = {
     "ctl summary": ADMIN_API,
     "ctl nodes": ADMIN_API,
     "ctl replicas": ADMIN_API,
-    "ctl retry": ADMIN_API + "; LLMGW_ADMIN_TOKEN where the watchers set one",
+    "ctl retry": "the admin API only, no Nomad or Consul token; `LLMGW_ADMIN_TOKEN` where the watchers have one",
 }
 
 

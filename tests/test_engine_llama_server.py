@@ -13,7 +13,8 @@ import httpx
 import openai
 import pytest
 
-from tests.fixtures.llama_cpp import StartLlamaCpp, StartShard, llama_cpp_models, llama_cpp_node
+from devstack.llama_cpp import llama_cpp_node
+from tests.fixtures.llama_cpp import StartLlamaCpp, StartShard, llama_cpp_models
 from tests.watcher_support import read_state, until, watcher_on_standin
 
 ARCH_ERROR = "unknown model architecture: 'kev'"

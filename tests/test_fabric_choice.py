@@ -12,6 +12,9 @@ from nomad_driver.placement import (
     choose_fabric,
     fabric_constraint,
     fabric_rooms,
+    failed_fabric,
+    fallback_fabric,
+    job_fabric,
     no_fabric_reason,
 )
 from nomad_driver.render import render_replica_job
@@ -77,10 +80,28 @@ def test_no_fabric_big_enough_names_each_fabric_and_its_largest_free_block() -> 
 def test_a_node_that_is_down_or_partly_used_is_no_room() -> None:
     nodes, allocs = fleet({"ib-a": 2})
     nodes[1]["Status"] = "down"
-    assert fabric_rooms(nodes, allocs, "m") == [FabricRoom("ib-a", 1)]
+    assert fabric_rooms(nodes, allocs, "m") == [FabricRoom("ib-a", 1, nodes=2)]
 
 
 def test_the_chosen_fabric_pins_every_shard_of_the_replica() -> None:
     job = render_replica_job(SET.models["gemma-split"], 0, fabric="ib-b")
     assert fabric_constraint("ib-b") in job["Constraints"]
     assert {"Operand": "distinct_hosts", "RTarget": "true"} in job["Constraints"]
+
+
+def test_a_replica_no_fabric_has_room_for_is_pinned_where_it_could_fit_once_free() -> None:
+    rooms = [FabricRoom("ib-a", 1, nodes=2), FabricRoom("ib-b", 0, nodes=4), FabricRoom("eth", 1, nodes=1)]
+    assert fallback_fabric(rooms, 3) == "ib-b"
+    # None big enough even when empty: still pinned, to the biggest.
+    assert fallback_fabric(rooms, 5) == "ib-b"
+    assert fallback_fabric([], 2) is None
+
+
+def test_the_fabric_a_placement_failed_on_is_read_from_nomads_constraint_metrics() -> None:
+    metric = {"ConstraintFiltered": {"${meta.llmgw_fabric} = ib-b": 3, "distinct_hosts": 1}}
+    assert failed_fabric({"engine": metric}) == "ib-b"
+    assert failed_fabric({"engine": {"ConstraintFiltered": {"distinct_hosts": 1}}}) == ""
+    assert failed_fabric(None) == ""
+    job = render_replica_job(SET.models["gemma-split"], 0, fabric="ib-b")
+    assert job_fabric(job) == "ib-b"
+    assert job_fabric(render_replica_job(SET.models["gemma-split"], 0)) == ""

@@ -29,7 +29,8 @@ models:
   lazy:
     source: file:///tmp/lazy.gguf
     profile: cpu
-    replicas: {min: 0, max: 3}
+    # A target above the requests these tests hold, so only the in-flight floor is at work.
+    replicas: {min: 0, max: 3, target_in_flight: 4}
     idle_timeout: 60s
 """
 )
@@ -53,7 +54,7 @@ def test_a_request_in_flight_keeps_the_model_however_long_ago_it_started() -> No
 def test_never_below_the_replicas_with_work_and_never_up_because_of_it() -> None:
     # Three replicas, requests on two of them, the model otherwise idle: down to two at most.
     d = reconcile(view(3, in_flight=2, busy_replicas=2, activity=NOW - 3600))
-    assert d.desired == 3  # in flight counts as asked for: the count the router chose stays
+    assert (d.desired, d.desired_reason) == (2, "busy")  # the two with work, not the idle third
     assert desired_replicas(view(1, busy_replicas=2), 1) == 1
 
 
@@ -144,3 +145,19 @@ async def test_routers_publish_while_busy_and_the_watcher_sums_live_ones(consul_
     await a.flush()
     assert writes == []
     await consul.close()
+
+
+def test_a_routers_ask_is_published_with_its_waiting_request_and_read_by_the_watcher() -> None:
+    recorder = ActivityRecorder(lambda key, value: None, 5.0, router_id="r1")  # type: ignore[arg-type,return-value]
+    recorder.begin("lazy", WAITING)
+    asked = recorder.ask("lazy")
+    value = recorder.in_flight()
+    assert value["models"]["lazy"] == {"requests": 1, "replicas": [], "asked": asked}
+    parsed = parse_inflight(json.dumps(value))
+    assert parsed is not None and parsed.asked == {"lazy": asked}
+    # Once the request ends, the ask goes with it.
+    recorder.end("lazy", WAITING, demand=False)
+    assert "lazy" not in recorder.in_flight()["models"]
+    # A value that is not a time is no ask.
+    bad = parse_inflight(json.dumps({**value, "models": {"lazy": {"requests": 1, "asked": "soon"}}}))
+    assert bad is not None and bad.asked == {}

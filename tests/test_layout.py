@@ -26,6 +26,23 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "nomad_driver": (*ROOMS, "router", "devstack"),
 }
 
+# The router's whole view of nomad_driver (docs/design.md, Rooms): the contracts it reads and the
+# shared client and rules it runs on. Anything else of the root is the watcher's or the CLI's
+# business, and a new name here is a design decision, made in the doc first.
+ROUTER_MAY_IMPORT = frozenset(
+    {
+        "nomad_driver.spec",  # definitions
+        "nomad_driver.state",  # the KV contract
+        "nomad_driver.consul",  # the one Consul client
+        "nomad_driver.blocking",  # the one blocking-query loop
+        "nomad_driver.placement",  # the one wording of "fits nowhere"
+        "nomad_driver.safeload",  # bounded reading of what came from outside
+        "nomad_driver.endpoint",  # addresses and client TLS as HashiCorp's tools read them
+        "nomad_driver.certs",  # certificate expiry metrics
+        "nomad_driver.logs",  # one log format
+    }
+)
+
 
 def module_name(path: Path) -> str:
     parts = list(path.relative_to(ROOT).with_suffix("").parts)
@@ -83,6 +100,18 @@ def violations() -> list[str]:
 def test_each_room_imports_only_what_it_may() -> None:
     found = violations()
     assert not found, "imports across rooms (docs/design.md, Rooms):\n" + "\n".join(found)
+
+
+def test_the_router_imports_only_the_roots_contracts_and_shared_clients() -> None:
+    found = []
+    for path in sorted((ROOT / "router").rglob("*.py")):
+        for target, line in imports_of(path):
+            if not _within(target, "nomad_driver") or target == "nomad_driver":
+                continue
+            # `from nomad_driver.spec import Model` also yields `nomad_driver.spec.Model`.
+            if not any(_within(target, allowed) for allowed in ROUTER_MAY_IMPORT):
+                found.append(f"{path.relative_to(ROOT)}:{line}: router imports {target}")
+    assert not found, "the router imports what docs/design.md does not give it:\n" + "\n".join(found)
 
 
 def test_the_import_walk_sees_the_imports_it_judges() -> None:

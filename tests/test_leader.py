@@ -265,3 +265,35 @@ async def test_a_malformed_leader_value_is_no_leader_and_the_lock_can_still_be_t
         await asyncio.gather(task, return_exceptions=True)
         await lead.resign()
         await consul.close()
+
+
+async def test_a_follower_whose_session_consul_forgot_makes_a_new_one_and_takes_the_free_lock(
+    consul_url: str,
+) -> None:
+    """Consul forgets a session (its agent restarted, an operator destroyed it) while a watcher
+    waits for the lock. When the lock frees, the acquire with the dead session fails; the
+    follower finds out from Consul that the session is gone and takes the lock with a new one
+    at once, not after its next renewal (a third of a long TTL here: 10 s)."""
+    a_client, b_client = Consul(consul_url), Consul(consul_url)
+    a = Leadership(a_client, address="127.0.0.1:1", ident="holder", ttl_s=10, lock_delay_s=0.1)
+    b = Leadership(b_client, address="127.0.0.1:2", ident="waiter", ttl_s=30, lock_delay_s=0.1)
+    a_task = asyncio.create_task(a.run())
+    await until(lambda: a.is_leader, 15, "the holder leading")
+    b_task = asyncio.create_task(b.run())
+    try:
+        await until(lambda: bool(b.session) and b.leader is not None, 15, "the waiter waiting")
+        forgotten = b.session
+        await b_client.session_destroy(forgotten)
+        await a.resign()
+        took = await until(lambda: b.is_leader, 15, "the waiter leading")
+        assert took < 4, f"the waiter took {took:.1f}s to notice its session was gone"
+        assert b.session and b.session != forgotten
+        _, entries = await b_client.kv_get(LEADER_KEY)
+        assert entries[0].session == b.session
+    finally:
+        for t in (a_task, b_task):
+            t.cancel()
+        await asyncio.gather(a_task, b_task, return_exceptions=True)
+        await b.resign()
+        await a_client.close()
+        await b_client.close()

@@ -37,7 +37,8 @@ def test_watchers_router_and_node_agents_come_up_healthy(
     common = {"venv": sys.prefix, "nomad_addr": standin.url, "consul_addr": consul_url}
     for name, variables in (
         ("llmgw-watcher", {**common}),
-        ("llmgw-router", {**common, "port": free_port()}),
+        # The router talks to Consul only.
+        ("llmgw-router", {"venv": sys.prefix, "consul_addr": consul_url, "port": free_port()}),
         ("llmgw-node-agent", {"venv": sys.prefix, "nomad_addr": standin.url}),
     ):
         job, _ = parse_job(standin.url, LOCAL / f"{name}.nomad.hcl", variables)

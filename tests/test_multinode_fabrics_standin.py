@@ -15,10 +15,10 @@ from typing import Any
 import httpx
 
 from devstack.fleet import effective_nodes
-from nomad_driver.placement import choose_fabric, fabric_rooms, no_fabric_reason
+from nomad_driver.placement import choose_fabric, fabric_constraint, fabric_rooms, no_fabric_reason
 from nomad_driver.render import render_job
 from nomad_driver.spec import parse_models
-from nomad_driver.watcher.multinode import pin_to_fabric, set_replica_count
+from nomad_driver.watcher.multinode import set_replica_count
 
 FABRICS = Path(__file__).resolve().parents[1] / "devstack" / "nodes" / "fabrics.yaml"
 
@@ -111,6 +111,7 @@ def test_a_two_shard_replica_lands_in_the_one_fabric_that_holds_it(
     nodes, allocs, names = fleet_now(standin.url)
     job = mocked(render_job(split))
     set_replica_count(job, 1)
-    assert pin_to_fabric(job, split, nodes, allocs) == "ib-a"
+    assert choose_fabric(fabric_rooms(nodes, allocs, "split"), 2) == "ib-a"
+    job["Constraints"].append(fabric_constraint("ib-a"))
     httpx.post(f"{standin.url}/v1/jobs", json={"Job": job}, timeout=10).raise_for_status()
     assert running_on(standin.url, split.job_id, names, 2) == ["ib-a-0", "ib-a-1"]

@@ -159,7 +159,9 @@ def test_a_llama_cpp_replica_is_a_leader_and_shards_on_distinct_nodes_each_with_
     (service,) = shards["Services"]
     assert service["Name"] == SHARD_SERVICE
     assert "job=llmgw-cpu-split" in service["Tags"]
-    assert service["Checks"][0]["Type"] == "tcp"
+    # No check: ggml-rpc-server answers one client, so a TCP check fails while the leader is
+    # connected. The service lives while the shard's process does.
+    assert "Checks" not in service
 
     (leader_task,) = leader["Tasks"]
     (template,) = leader_task["Templates"]
@@ -209,9 +211,14 @@ def test_the_hcl_of_a_replica_says_what_its_json_says(name: str) -> None:
     tree = _unquote(hcl2.loads(render_hcl(model)))
     ((job_id, body),) = [next(iter(b.items())) for b in tree["job"]]
     assert job_id == job["ID"]
-    assert [{"Operand": c["operator"], "RTarget": c["value"]} for c in body["constraint"]] == job[
-        "Constraints"
-    ]
+    assert [
+        {
+            **({"LTarget": c["attribute"]} if "attribute" in c else {}),
+            "RTarget": c["value"],
+            "Operand": c["operator"],
+        }
+        for c in body["constraint"]
+    ] == job["Constraints"]
     groups = [next(iter(g.items())) for g in body["group"]]
     assert [n for n, _ in groups] == [g["Name"] for g in job["TaskGroups"]]
     for (_, hcl_group), group in zip(groups, job["TaskGroups"], strict=True):
@@ -245,3 +252,12 @@ def test_every_group_of_a_replica_opts_out_of_deployments(name: str) -> None:
     assert not job_makes_deployments(job)
     job["TaskGroups"][-1]["Update"] = {"MaxParallel": 1}  # as the shard group was rendered before
     assert job_makes_deployments(job)
+
+
+def test_each_shard_lands_only_on_a_node_with_exactly_the_gpus_it_takes() -> None:
+    # `gpus` is per node and a shard asks for all of them: a node with more would be shared.
+    wants = {"LTarget": "${meta.llmgw_gpu_count}", "RTarget": "8", "Operand": "="}
+    assert wants in render_job(SET.models["llama-405b"])["Constraints"]
+    # Nothing to match for a replica without GPUs.
+    cpu = render_job(SET.models["cpu-split"])["Constraints"]
+    assert all(c.get("LTarget") != "${meta.llmgw_gpu_count}" for c in cpu)

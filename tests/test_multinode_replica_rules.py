@@ -1,6 +1,6 @@
 """How the watcher treats a multi-node replica: one start per replica whichever shard failed,
-the job registered with its leader and all shards (or none) and pinned to a fabric with room,
-and scaled as a whole on the Nomad stand-in."""
+the job registered with its leader and all shards (or none), and scaled as a whole on the
+Nomad stand-in. Where it goes: tests/test_multinode_fabric_steps.py."""
 
 from __future__ import annotations
 
@@ -13,9 +13,8 @@ import httpx
 from nomad_driver.nomad import Nomad
 from nomad_driver.render import SHARD_GROUP, render_job
 from nomad_driver.spec import parse_models
-from nomad_driver.watcher.multinode import pin_to_fabric, scale_replica, set_replica_count
+from nomad_driver.watcher.multinode import scale_replica, set_replica_count
 from nomad_driver.watcher.reconcile import ModelView, Park, reconcile
-from tests.test_fabric_choice import fleet
 from tests.test_reconcile import crashed, running
 
 MODELS = textwrap.dedent(
@@ -67,19 +66,8 @@ def test_a_replica_runs_with_all_its_shards_or_not_at_all() -> None:
     assert [g["Count"] for g in job["TaskGroups"]] == [0, 0]
 
 
-def test_the_registered_job_is_pinned_to_a_fabric_with_room_not_counting_its_own_shards() -> None:
-    nodes, allocs = fleet({"ib-a": 3, "ib-b": 4}, busy={"ib-b": 2})
-    job = render_job(WIDE)
-    assert pin_to_fabric(job, WIDE, nodes, allocs) == "ib-a"
-    assert {"LTarget": "${meta.llmgw_fabric}", "RTarget": "ib-a", "Operand": "="} in job["Constraints"]
-    # Re-registered while its own replica holds ib-a: its own nodes are still its room.
-    own = [{**a, "JobID": WIDE.job_id, "NodeID": f"ib-a-{i}"} for i, a in enumerate(allocs[:2])]
-    assert pin_to_fabric(render_job(WIDE), WIDE, nodes, own) == "ib-a"
-    # No fabric with three free nodes: registered unpinned; Nomad's failed placement says so.
-    nodes, allocs = fleet({"ib-a": 3, "ib-b": 3}, busy={"ib-a": 1, "ib-b": 1})
-    job = render_job(WIDE)
-    assert pin_to_fabric(job, WIDE, nodes, allocs) is None
-    assert all(c.get("LTarget") != "${meta.llmgw_fabric}" for c in job["Constraints"])
+def leading(what: str) -> None:
+    """A leader well inside its lease: nothing is refused."""
 
 
 def test_scaling_a_replica_scales_its_shards_with_it(start_standin: Callable[..., Any]) -> None:
@@ -88,7 +76,7 @@ def test_scaling_a_replica_scales_its_shards_with_it(start_standin: Callable[...
         "cpu_mhz": 8000,
         "memory_mib": 8192,
         "attributes": {"driver.mock_driver": "1"},
-        "meta": {"llmgw_engine_llama_cpp": "b6500"},
+        "meta": {"llmgw_engine_llama_cpp": "b6500", "llmgw_gpu_count": "1"},
         "gpus": [{"model": "NVIDIA L4", "memory_mib": 24564, "count": 1}],
     }
     standin = start_standin(nodes=[{**node, "name": f"n{i}"} for i in range(3)], consul=False)
@@ -99,12 +87,14 @@ def test_scaling_a_replica_scales_its_shards_with_it(start_standin: Callable[...
         group["Tasks"][0].pop("Templates", None)
     nomad = Nomad(standin.url)
     nomad.register_job(job)
-    scale_replica(nomad, WIDE.job_id, "engine", 0, "llmgw: parked wide", WIDE)
+    scale_replica(nomad, WIDE.job_id, "engine", 0, "llmgw: parked wide", WIDE, check_lease=leading)
     counts = {
         g["Name"]: g["Count"] for g in httpx.get(f"{standin.url}/v1/job/{WIDE.job_id}").json()["TaskGroups"]
     }
     assert counts == {"engine": 0, SHARD_GROUP: 0}
-    scale_replica(nomad, WIDE.job_id, "engine", 1, "llmgw: wide should have 1 replicas", WIDE)
+    scale_replica(
+        nomad, WIDE.job_id, "engine", 1, "llmgw: wide should have 1 replicas", WIDE, check_lease=leading
+    )
     counts = {
         g["Name"]: g["Count"] for g in httpx.get(f"{standin.url}/v1/job/{WIDE.job_id}").json()["TaskGroups"]
     }

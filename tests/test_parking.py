@@ -100,3 +100,67 @@ def test_last_error_falls_back_to_nomads_event_when_stderr_says_nothing() -> Non
     assert last_error(failed, "loading...\nbye\n") == "Exit Code: 1"
     assert "unknown model architecture: 'kev'" in last_error(failed, KEV_STDERR)
     assert last_error(None, None) == ""
+
+
+def test_failures_behind_a_start_still_loading_still_count_after_nomad_forgets_them() -> None:
+    """Two replicas: one loads slowly (its outcome undecided), the other fails and is restarted
+    in place, again and again. Nomad keeps ten events per task, so after a few restarts it no
+    longer shows the first failures; counted pass by pass, each of them still counts."""
+    loader = alloc("slow", ev("Started", 5), status="running")
+    events: list[dict[str, Any]] = []
+    ledger = Ledger()
+    for i in range(8):
+        t = 100 * (i + 1)
+        events += [*crash(t), ev("Restarting", t + 2)]
+        sibling = alloc("sib", *events[-10:], status="running")  # Nomad's newest ten
+        count = count_start_failures([loader, sibling], frozenset(), ledger)
+        ledger = count.ledger
+        assert count.consecutive == i + 1, f"pass {i}: {count.consecutive} != {i + 1}"
+    shown = count_start_failures([loader, sibling], frozenset()).consecutive
+    assert shown < 8, "Nomad still shows every failure: nothing forgotten, nothing tested"
+    # A watcher started now, from the stored ledger and what Nomad shows, agrees.
+    assert count_start_failures([loader, sibling], frozenset(), ledger).consecutive == 8
+    # The loader fails at last: one more, and the ledger folds everything it named.
+    died = alloc("slow", ev("Started", 5), ev("Terminated", 900, DisplayMessage="Exit Code: 1"))
+    count = count_start_failures([died, sibling], frozenset(), ledger)
+    assert count.consecutive == 9
+    assert count.ledger.later == () and count.ledger.counted == 9
+    # Or it turns healthy: it began before all those failures, so they still count, from 0.
+    assert count_start_failures([loader, sibling], frozenset({(5, "slow")}), ledger).consecutive == 8
+
+
+def test_what_is_remembered_behind_a_loading_start_is_bounded() -> None:
+    loader = alloc("slow", ev("Started", 5), status="running")
+    failed = [alloc(f"f{i}", *crash(100 * (i + 1))) for i in range(30)]
+    count = count_start_failures([loader, *failed], frozenset(), remember=10)
+    assert count.consecutive == 30  # the model parks on this count; the rest need no memory
+    assert len(count.ledger.later) == 10
+
+
+def test_a_template_restart_is_asked_for_not_a_failure() -> None:
+    # A multi-node leader is restarted by its template whenever its shard set changes, on every
+    # bring-up: Nomad's own sequence (taskrunner lifecycle.Restart with the template hook's
+    # event, then the exit, then the restart tracker's "Restarting" with no delay).
+    signaled = ev(
+        "Restart Signaled",
+        11,
+        DisplayMessage="Template with change_mode restart re-rendered",
+        RestartReason="",
+    )
+    exited = ev("Terminated", 12, DisplayMessage="Exit Code: 0, Signal: 15", Details={"exit_code": "0"})
+    a = alloc(
+        "a", ev("Started", 10), signaled, exited, ev("Restarting", 13), ev("Started", 14), status="running"
+    )
+    count = count_start_failures([a], frozenset())
+    assert count.consecutive == 0
+    # The stand-in's own words for the same restart.
+    standin = ev("Restart Signaled", 11, RestartReason="template with change_mode restart re-rendered")
+    b = alloc("b", ev("Started", 10), standin, ev("Terminated", 12), ev("Restarting", 13), status="running")
+    assert count_start_failures([b], frozenset()).consecutive == 0
+
+
+def test_a_restart_for_a_failing_health_check_is_a_failure() -> None:
+    # check_restart restarts with the same event type, but for a failure: it counts.
+    signaled = ev("Restart Signaled", 11, RestartReason='healthcheck: check "engine ready" unhealthy')
+    a = alloc("a", ev("Started", 10), signaled, ev("Terminated", 12), ev("Restarting", 13), status="running")
+    assert count_start_failures([a], frozenset()).consecutive == 1

@@ -107,7 +107,8 @@ def test_a_model_without_the_pool_is_told_why_it_fits_nowhere(
     nomad = Nomad(standin.url)
     job = nomad.get_job("llmgw-nowhere")
     assert job is not None and job["NodePool"] == "default"
-    failure = latest_placement_failure(nomad.job_evaluations("llmgw-nowhere"), job)
+    evaluations = requests.get(f"{standin.url}/v1/job/llmgw-nowhere/evaluations", timeout=5).json()
+    failure = latest_placement_failure(evaluations, job)
     assert failure is not None
     # What an operator reads: the GPU it wants, and the nodes of the pool it was in, ruled out.
     assert (
@@ -121,8 +122,8 @@ def test_a_model_without_the_pool_is_told_why_it_fits_nowhere(
 def test_apply_registers_in_nomad_namespace_not_in_default(
     consul_url: str, start_standin: Callable[..., Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # The stand-in knows only `default`, as a fresh Nomad does: a job meant for `llm` is refused
-    # with Nomad's own words instead of landing in `default`, where nothing of llmgw looks.
+    # A fresh Nomad has only `default`: a job meant for `llm`, never created, is refused with
+    # Nomad's own words instead of landing in `default`, where nothing of llmgw looks.
     standin = start_standin(nodes=pool_fleet(engines_dir(tmp_path)), consul=False)
     monkeypatch.setenv("CONSUL_HTTP_ADDR", consul_url)
     monkeypatch.setenv("NOMAD_ADDR", standin.url)
@@ -153,13 +154,16 @@ def test_the_dev_stack_runs_models_in_a_gpu_pool_and_llmgw_beside_it(tmp_path: P
     """The dev stack's fleet is laid out as the operating guide says, and its demo models ask for
     the GPU pool, so `make demo` exercises the placement an operator will have."""
     out = fleet.effective_nodes(
-        fleet.SMALL_FLEET, tmp_path / "engines", tmp_path / "nodes.yaml", gpu_pool="gpu"
+        fleet.DEMO_FLEET, tmp_path / "engines", tmp_path / "nodes.yaml", gpu_pool="gpu"
     )
     nodes = load_nodes(out)
     pools = {n["Name"]: n["NodePool"] for n in nodes}
     assert pools.pop("general-0") == "default"
+    # The two nodes kept entirely free for the multi-node demo model have a pool of their own.
+    assert {pools.pop("gpu-a10-0"), pools.pop("gpu-a10-1")} == {"multinode"}
     assert pools and set(pools.values()) == {"gpu"}
-    assert all(n["NodeResources"]["Devices"] for n in nodes if n["NodePool"] == "gpu")
+    assert all(n["NodeResources"]["Devices"] for n in nodes if n["NodePool"] in ("gpu", "multinode"))
     demo = parse_models(demo_models.TEMPLATE.read_text(), str(demo_models.TEMPLATE))
-    assert {m.profile.node_pool for m in demo.models.values()} == {"gpu"}
+    assert {m.profile.node_pool for m in demo.models.values() if m.profile.nodes == 1} == {"gpu"}
+    assert {m.profile.node_pool for m in demo.models.values() if m.profile.nodes > 1} == {"multinode"}
     assert fleet.big_gpu_node(tmp_path)["node_pool"] == "gpu"

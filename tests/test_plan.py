@@ -28,6 +28,7 @@ from nomad_driver.consul import Consul
 from nomad_driver.nomad import Nomad
 from nomad_driver.state import CONFIG_MODELS_KEY
 from tests.fixtures.nomad import REPO, SMALL_FLEET, StandIn
+from tests.standin.api_helpers import mock_job
 from tests.watcher_support import read_state, until
 
 pytestmark = pytest.mark.timeout(180)
@@ -35,11 +36,11 @@ pytestmark = pytest.mark.timeout(180)
 DEMO_REASON = "no node has 1 x nvidia/gpu with memory >= 94000 MiB: 3 nodes filtered (missing devices)"
 
 # The documented `--json` shape (docs/operating.md): every key, at every level.
-TOP_KEYS = {"outcome", "exit_code", "summary", "models"}
-SUMMARY_KEYS = {"added", "changed", "removed", "unchanged", "fits_nowhere"}
+TOP_KEYS = {"outcome", "exit_code", "summary", "problems", "models"}
+SUMMARY_KEYS = {"added", "changed", "removed", "unchanged", "conflict", "fits_nowhere"}
 MODEL_KEYS = {"model", "job_id", "change", "fields", "replaces_replicas", "on_demand", "placement", "notes"}
 FIELD_KEYS = {"field", "old", "new"}
-PLACEMENT_KEYS = {"fits", "count", "reason", "candidates", "preempts", "updates", "fabric"}
+PLACEMENT_KEYS = {"fits", "count", "reason", "candidates", "preempts", "updates", "fabric", "nodes"}
 CANDIDATE_KEYS = {"node_class", "gpu_model", "nodes"}
 
 
@@ -58,10 +59,18 @@ def cluster(
     return standin
 
 
+def single_node_demo(text: str) -> str:
+    """The demo's models without its multi-node one: its job is the watcher's to register
+    (pinned to a fabric), and its nodes are not in this fleet."""
+    start = text.index("  gemma-3-270m-split:\n")
+    end = text.index("\n\n", start) + 2
+    return text[:start] + text[end:]
+
+
 @pytest.fixture
 def demo(tmp_path: Path) -> Path:
     path = tmp_path / "models.yaml"
-    path.write_text(effective_models_text(TEMPLATE.read_text(), tmp_path))
+    path.write_text(single_node_demo(effective_models_text(TEMPLATE.read_text(), tmp_path)))
     return path
 
 
@@ -91,7 +100,10 @@ def test_plan_of_the_demo_before_and_after_apply(cluster: StandIn, demo: Path) -
     assert code == 7, doc
     assert nomad_indexes(cluster.url) == before, "planning wrote to Nomad"
     assert doc["outcome"] == "fits nowhere" and doc["exit_code"] == 7
-    assert doc["summary"] == {"added": 4, "changed": 0, "removed": 0, "unchanged": 0, "fits_nowhere": 1}
+    assert doc["summary"] == {
+        "added": 4, "changed": 0, "removed": 0, "unchanged": 0, "conflict": 0, "fits_nowhere": 1
+    }  # fmt: skip
+    assert doc["problems"] == []
     models = by_model(doc)
     phi = models["phi-4"]["placement"]
     assert (phi["fits"], phi["count"], phi["reason"]) == (False, 1, DEMO_REASON)
@@ -144,7 +156,8 @@ def test_json_shape_is_the_documented_one(cluster: StandIn, demo: Path) -> None:
             assert set(f) == FIELD_KEYS
         if model["placement"] is not None:
             assert set(model["placement"]) == PLACEMENT_KEYS
-            assert model["placement"]["fabric"] is None
+            assert model["placement"]["fabric"] is None and model["placement"]["nodes"] == 1
+            assert all(model["placement"]["updates"].values()), "only counts that are not zero"
             for c in model["placement"]["candidates"]:
                 assert set(c) == CANDIDATE_KEYS
     models = by_model(doc)
@@ -159,7 +172,9 @@ def test_json_shape_is_the_documented_one(cluster: StandIn, demo: Path) -> None:
     # copy runs none, so nothing of it is re-placed.
     assert gemma["replaces_replicas"] and gemma["placement"]["updates"]["DestructiveUpdate"] == 1
     assert not models["gemma-3-270m-on-demand"]["replaces_replicas"]
-    assert doc["summary"] == {"added": 1, "changed": 3, "removed": 1, "unchanged": 0, "fits_nowhere": 1}
+    assert doc["summary"] == {
+        "added": 1, "changed": 3, "removed": 1, "unchanged": 0, "conflict": 0, "fits_nowhere": 1
+    }  # fmt: skip
 
 
 async def test_a_profile_that_needs_more_gpu_memory_fits_nowhere_before_and_after_apply(
@@ -295,3 +310,45 @@ def test_apply_in_a_terminal_asks_and_applies_only_on_yes(
     # --auto-approve does not ask, even in a terminal.
     code, out = in_terminal("apply", "--auto-approve", str(demo), answer="y")
     assert code == 0 and "[y/N]" not in out and "applied 4 models" in out, out
+
+
+def test_a_job_that_is_not_llmgws_is_a_conflict_that_plan_reports_and_apply_refuses(
+    cluster: StandIn, demo: Path, consul_url: str
+) -> None:
+    # Someone's own service, by chance under the ID the model's job would have.
+    theirs = {"Job": {**mock_job("llmgw-kev-0.5b")["Job"], "Meta": {"team": "search"}}}
+    requests.post(f"{cluster.url}/v1/jobs", json=theirs, timeout=10).raise_for_status()
+    before = nomad_indexes(cluster.url)
+    code, doc = plan_json(demo)
+    assert (code, doc["outcome"], doc["exit_code"]) == (8, "job conflict", 8), doc
+    kev = by_model(doc)["kev-0.5b"]
+    assert (kev["change"], kev["placement"]) == ("conflict", None)
+    problem = (
+        "Nomad job llmgw-kev-0.5b was not registered by llmgw for model kev-0.5b (its meta has no "
+        "llmgw_model); llmgw leaves it alone: rename the model or remove that job"
+    )
+    assert doc["problems"] == [problem] and kev["notes"] == [problem]
+    assert doc["summary"]["conflict"] == 1 and doc["summary"]["added"] == 3
+    # The others are still planned, so the operator sees everything at once.
+    assert by_model(doc)["phi-4"]["placement"]["fits"] is False
+
+    text = run("plan", str(demo))
+    assert text.exit_code == 8
+    assert f"! kev-0.5b (conflict)\n    problem: {problem}" in text.stdout
+    assert "1 job not llmgw's: apply would apply nothing" in text.stdout
+
+    # apply refuses before it asks: nothing anyone could agree to would be applied.
+    code, out = in_terminal("apply", str(demo), answer="y")
+    assert code == 5 and "[y/N]" not in out and f"{problem}; nothing was applied" in out, out
+    assert nomad_indexes(cluster.url) == before
+    assert requests.get(f"{consul_url}/v1/kv/{CONFIG_MODELS_KEY}", timeout=5).status_code == 404
+
+
+def test_apply_in_a_terminal_with_nothing_to_do_asks_nothing(cluster: StandIn, demo: Path) -> None:
+    assert run("apply", "--auto-approve", "--allow-unplaceable", str(demo)).exit_code == 0
+    before = nomad_indexes(cluster.url)
+    code, out = in_terminal("apply", str(demo), answer="y", timeout=60)
+    assert code == 0, out
+    assert "[y/N]" not in out and "4 unchanged; nothing to do" in out
+    assert "applied 4 models: 0 registered, 4 unchanged" in out
+    assert nomad_indexes(cluster.url) == before

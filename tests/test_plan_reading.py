@@ -6,15 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from nomad_driver.cli.plan import (
-    FleetPlan,
-    ModelPlan,
-    candidates,
-    classify,
-    planned_count,
-    read_plan,
-    render_text,
-)
+from nomad_driver.cli.plan import FleetPlan, ModelPlan, classify, planned_count, render_text
+from nomad_driver.cli.plan_reading import candidates, namespace_default_pool, read_plan
 from nomad_driver.render import render_job
 from nomad_driver.spec import parse_models
 
@@ -87,6 +80,36 @@ def test_nodes_that_can_take_a_model_need_enough_healthy_gpus_of_the_right_kind(
     assert {c.node_class for c in candidates(model(), pooled)} == {"h100"}
     in_gpu = model(TEXT.replace("    gpus: 2\n", "    gpus: 2\n    node_pool: gpu\n"))
     assert [(c.node_class, c.nodes) for c in candidates(in_gpu, pooled)] == [("h100-gpu", 1)]
+    # A profile that names no pool lands in its namespace's default pool, wherever that is.
+    assert [(c.node_class, c.nodes) for c in candidates(model(), pooled, default_pool="gpu")] == [
+        ("h100-gpu", 1)
+    ]
+    assert candidates(in_gpu, pooled, default_pool="default") == candidates(in_gpu, pooled)
+
+
+def test_the_default_pool_is_the_namespaces_where_nomad_enterprise_sets_one() -> None:
+    enterprise = {"Name": "ml", "NodePoolConfiguration": {"Default": "gpu", "Allowed": None, "Denied": None}}
+    assert namespace_default_pool(enterprise) == "gpu"
+    assert namespace_default_pool({"Name": "default", "NodePoolConfiguration": None}) == "default"
+    assert namespace_default_pool({"Name": "ml", "NodePoolConfiguration": {"Default": ""}}) == "default"
+    assert namespace_default_pool(None) == "default"  # a Nomad without namespaces
+
+
+def test_a_multi_node_replica_counts_once_however_many_allocations_it_has() -> None:
+    wide = parse_models(
+        TEXT.replace("    gpus: 2\n", "    gpus: 2\n    nodes: 3\n").replace("max: 3", "max: 1")
+    ).models["big"]
+    job = render_job(wide)
+    answer = {
+        "Annotations": {
+            "DesiredTGUpdates": {
+                "engine": {"DestructiveUpdate": 1, "Ignore": 0},
+                "shard": {"DestructiveUpdate": 2, "Place": 1},
+            }
+        }
+    }
+    # One leader and two shards replaced are one replica; one shard placed is that replica's.
+    assert read_plan(answer, job, 1).updates == {"DestructiveUpdate": 1, "Place": 1}
 
 
 def test_nomads_answer_is_read_with_preemptions_and_the_watchers_reason() -> None:

@@ -6,8 +6,9 @@ import dataclasses
 from typing import Any
 
 from nomad_driver.spec import parse_models
-from nomad_driver.state import ModelState
+from nomad_driver.state import Attempt, ModelState
 from nomad_driver.watcher.reconcile import (
+    Activate,
     ModelView,
     Park,
     RegisterJob,
@@ -191,14 +192,23 @@ def test_recent_activity_keeps_an_on_demand_model_at_one_and_idle_scales_it_down
     assert [a.count for a in idle.actions if isinstance(a, Scale)] == [0]
 
 
-def test_the_count_a_router_scaled_to_is_kept_while_asked_for() -> None:
-    d = reconcile(view(KEV, job=job(KEV, 3), activity=NOW - 5))
-    assert d.desired == 3 and not any(isinstance(a, Scale) for a in d.actions)
-    # Just scaled, activity not written yet: not undone at once.
-    fresh = reconcile(view(KEV, job=job(KEV, 2), activity=None, scaled_at=NOW - 1))
-    assert fresh.desired == 2
+def test_a_count_just_seen_is_held_for_the_scale_down_delay_then_follows_the_load() -> None:
+    # The watcher is the one writer of the count: a count it has just seen change (its own
+    # scale-up, or its first look after a start) is held for scale_down_delay, then the load
+    # (none here) takes it to the minimum.
+    fresh = reconcile(view(KEV, job=job(KEV, 3), activity=NOW - 5, scaled_at=NOW - 1))
+    assert (fresh.desired, fresh.desired_reason) == (3, "held")
+    assert not any(isinstance(a, Scale) for a in fresh.actions)
     later = reconcile(view(KEV, job=job(KEV, 2), activity=None, scaled_at=NOW - 900))
-    assert later.desired == 1
+    assert (later.desired, later.desired_reason) == (1, "min")
+
+
+def test_load_raises_the_count_and_the_health_check_says_why() -> None:
+    d = reconcile(view(KEV, job=job(KEV, 1), in_flight=3, in_flight_average=3.0, busy_floor=1))
+    assert (d.desired, d.desired_reason) == (3, "load")
+    assert [a.count for a in d.actions if isinstance(a, Scale)] == [3]
+    assert d.desired_detail == "load: 3 in flight / 1 per replica"
+    assert "(load: 3 in flight / 1 per replica)" in d.health_output
 
 
 def _blocked() -> dict[str, Any]:
@@ -308,3 +318,36 @@ def test_a_job_that_still_makes_deployments_is_registered_again_even_when_parkin
     opted_out = job(KEV, 1)
     opted_out["TaskGroups"][0]["Update"] = {"MaxParallel": 0}
     assert not any(isinstance(a, RegisterJob | Scale) for a in reconcile(view(job=opted_out)).actions)
+
+
+def test_a_routers_ask_is_answered_by_one_activation_through_the_same_rule() -> None:
+    d = reconcile(view(LAZY, job=job(LAZY, 0), in_flight=1, asked_at=NOW - 1))
+    (activate,) = [a for a in d.actions if isinstance(a, Activate)]
+    assert (activate.count, activate.asked) == (1, NOW - 1)
+    assert "no ready replica" in activate.message
+    # One call: the activation replaces the plain scale the same pass would have made.
+    assert not any(isinstance(a, Scale) for a in d.actions)
+    # Already at its count, the ask still makes Nomad evaluate afresh.
+    again = reconcile(view(LAZY, job=job(LAZY, 1), in_flight=1, asked_at=NOW - 1))
+    assert [a.count for a in again.actions if isinstance(a, Activate)] == [1]
+
+
+def test_an_answered_ask_is_not_asked_again_and_a_parked_model_is_never_activated() -> None:
+    answered = ModelState(attempt=Attempt(asked=NOW - 1, at=NOW - 0.5, eval="e1", result="placed"))
+    d = reconcile(view(LAZY, job=job(LAZY, 1), in_flight=1, asked_at=NOW - 1, state=answered))
+    assert not any(isinstance(a, Activate) for a in d.actions)
+    later = reconcile(view(LAZY, job=job(LAZY, 1), in_flight=1, asked_at=NOW, state=answered))
+    assert any(isinstance(a, Activate) for a in later.actions)
+    parked = reconcile(view(job=job(KEV, 0), in_flight=1, asked_at=NOW, state=parked_state()))
+    assert not any(isinstance(a, Activate | Scale) for a in parked.actions) and parked.desired == 0
+
+
+def test_a_scale_up_nomad_cannot_place_while_the_minimum_runs_is_short_not_unplaceable() -> None:
+    allocs = (running("a", 5),)
+    d = reconcile(view(job=job(KEV, 3), allocs=allocs, ready=1, evals=(_blocked(),), in_flight=3))
+    assert d.state.short and not d.state.unplaceable
+    assert "2 nodes filtered (missing devices)" in d.state.short_reason
+    assert d.health == "warning" and d.health_output.startswith("short: 1 of 3 replicas ready")
+    # With nothing running, the same evaluation is unplaceable.
+    none = reconcile(view(job=job(KEV, 1), evals=(_blocked(),)))
+    assert none.state.unplaceable and not none.state.short

@@ -10,6 +10,7 @@ it would have caught in the module's own wiring, and more that it would not.
 from __future__ import annotations
 
 import ast
+import inspect
 import re
 import shutil
 import subprocess
@@ -27,6 +28,7 @@ from hcl2 import SerializationOptions
 from devstack.consul_agent import ConsulAgent, ConsulAgentError
 from nomad_driver.spec import load_models
 from tests import acl_table as acl
+from tests import api_scan as scan
 
 ROOT = Path(__file__).resolve().parent.parent
 MODULE = ROOT / "terraform"
@@ -158,7 +160,8 @@ def test_outputs_name_the_router_service_and_token_accessors() -> None:
     outputs = named_blocks("output", MODULE / "outputs.tf")
     assert outputs["router_service_name"]["value"] == "llmgw-router"
     assert outputs["router_port"]["value"] == "${var.router_port}"
-    assert set(outputs["nomad_token_accessor_ids"]["value"]) == set(JOBSPEC_OF)
+    # The routers call no Nomad API (the leading watcher scales for them): no Nomad token.
+    assert set(outputs["nomad_token_accessor_ids"]["value"]) == set(JOBSPEC_OF) - {"router"}
     assert outputs["operator_policy_names"]["value"] == {
         "nomad": "${nomad_acl_policy.operator.name}",
         "consul": "${consul_acl_policy.operator.name}",
@@ -260,7 +263,10 @@ def policies(rtype: str, attr: str) -> dict[str, dict[str, Any]]:
 @pytest.mark.parametrize("component", acl.COMPONENTS)
 def test_nomad_policy_grants_exactly_what_the_component_calls(component: acl.Component) -> None:
     parsed = policies("nomad_acl_policy", "rules_hcl")
-    assert set(parsed) == set(acl.COMPONENTS)
+    assert set(parsed) == {c for c in acl.COMPONENTS if acl.grants(c, "nomad")}
+    if not acl.grants(component, "nomad"):
+        assert component not in parsed, f"the {component} calls no Nomad API but has a Nomad policy"
+        return
     problems = acl.check_nomad_policy(component, parsed[component])
     assert not problems, f"nomad policy of the {component}:\n" + "\n".join(problems)
 
@@ -287,7 +293,10 @@ def test_each_token_carries_its_own_components_policy_and_no_more() -> None:
     # The jobs get the tokens the module made, not some other secret.
     for name in JOBSPEC_OF:
         items = resources[("nomad_variable", name)]["items"]
-        assert items["nomad_token"] == f"${{nomad_acl_token.{name}.secret_id}}"
+        if acl.grants(COMPONENT_OF[name], "nomad"):
+            assert items["nomad_token"] == f"${{nomad_acl_token.{name}.secret_id}}"
+        else:
+            assert "nomad_token" not in items and ("nomad_acl_token", name) not in resources
         if "consul_token" in items:
             assert items["consul_token"] == f"${{data.consul_acl_token_secret_id.{name}.secret_id}}"
 
@@ -321,20 +330,6 @@ def test_every_cli_verb_says_whose_grants_it_runs_with() -> None:
     for verb, runs_with in acl.CLI_VERBS.items():
         if runs_with in acl.COMPONENTS:
             assert acl.CALLS[cast(acl.Component, runs_with)], f"{verb}: its component lists no calls"
-
-
-def test_apply_reads_each_job_before_registering_it_and_the_operator_policy_allows_both() -> None:
-    calls = {(c.method, c.path) for c in acl.CALLS["operator"] if c.system == "nomad"}
-    assert calls == {
-        ("GET", "/v1/job/<job>"),
-        ("POST", "/v1/job/<job>"),
-        # `llmgw plan`, which `apply` runs first.
-        ("GET", "/v1/jobs?prefix=llmgw-&meta=true"),
-        ("POST", "/v1/job/<job>/plan"),
-        ("GET", "/v1/nodes?resources=true"),
-    }
-    policy, _ = acl.nomad_policy(policies("nomad_acl_policy", "rules_hcl")["operator"])
-    assert policy.capabilities["default"] == {"list-jobs", "read-job", "submit-job"}
 
 
 def with_rules(parsed: dict[str, Any], text: str) -> dict[str, Any]:
@@ -373,12 +368,14 @@ def test_the_policy_check_fails_on_policies_that_are_too_wide_or_too_narrow() ->
 
     nomad = policies("nomad_acl_policy", "rules_hcl")
     extra_cap = hcl2.loads(
-        'namespace "default" {\n capabilities = ["read-job", "scale-job", "alloc-exec"]\n}\n',
+        'namespace "default" {\n capabilities = ["list-jobs", "read-job", "submit-job", "read-logs", "alloc-exec"]\n}\n',
         serialization_options=HCL,
     )
-    assert any("alloc-exec" in p for p in acl.check_nomad_policy("router", extra_cap))
+    assert any(
+        "alloc-exec" in p for p in acl.check_nomad_policy("watcher", {**nomad["watcher"], **extra_cap})
+    )
     shorthand = hcl2.loads('namespace "default" {\n policy = "write"\n}\n', serialization_options=HCL)
-    assert any("use capabilities" in p for p in acl.check_nomad_policy("router", shorthand))
+    assert any("use capabilities" in p for p in acl.check_nomad_policy("watcher", shorthand))
     assert any(
         "node policy write" in p
         for p in acl.check_nomad_policy("watcher", {**nomad["watcher"], "node": [{"policy": "write"}]})
@@ -389,7 +386,7 @@ def test_the_policy_check_fails_on_policies_that_are_too_wide_or_too_narrow() ->
     )
     assert any(
         "operator" in p
-        for p in acl.check_nomad_policy("router", {**nomad["router"], "operator": [{"policy": "read"}]})
+        for p in acl.check_nomad_policy("watcher", {**nomad["watcher"], "operator": [{"policy": "read"}]})
     )
 
 
@@ -655,155 +652,131 @@ def test_consul_with_acls_enforced_keeps_the_watcher_inside_llmgw(acl_consul: tu
 
 # --- The table against the code ------------------------------------------------------------------
 
-# First path segments of Consul's and Nomad's APIs; the router's OpenAI paths (/v1/chat/...,
-# /v1/models) and the admin API (/v1/admin/...) are not among them.
-API_ROOTS = frozenset(
-    [
-        "kv",
-        "txn",
-        "session",
-        "health",
-        "catalog",
-        "agent",
-        "acl",
-        "status",
-        "event",
-        "coordinate",
-        "query",
-        "operator",
-        "job",
-        "jobs",
-        "allocation",
-        "allocations",
-        "evaluation",
-        "evaluations",
-        "node",
-        "nodes",
-        "client",
-        "scaling",
-        "var",
-        "vars",
-        "deployment",
-        "deployments",
-        "search",
-        "services",
-    ]
-)
-METHODS = frozenset({"GET", "PUT", "POST", "DELETE"})
-# python-nomad requesters whose URL is not their attribute name.
-PYNOMAD_PATHS = {
-    "client.stream_logs": "client/fs/logs",
-    "client.stream_file": "client/fs/stream",
-    "client.cat": "client/fs/cat",
-    "client.ls": "client/fs/ls",
-    "client.stat": "client/fs/stat",
-    "client.read_at": "client/fs/readat",
-    "event.stream": "event/stream",
-}
 
-
-def _path_of(node: ast.expr) -> str | None:
-    """The URL path a string or f-string literal spells, with `<x>` for each interpolation."""
-    if isinstance(node, ast.Constant) and isinstance(node.value, str):
-        return node.value
-    if isinstance(node, ast.JoinedStr):
-        return "".join(
-            v.value if isinstance(v, ast.Constant) and isinstance(v.value, str) else "<x>"
-            for v in node.values
+def _pattern(path: str) -> re.Pattern[str]:
+    """A found call's path as a pattern: each `<x>` one path segment, or for a KV key any run of
+    them (keys hold slashes: llmgw/state/<model>)."""
+    parts = re.split(r"(<x>)", path.split("?")[0])
+    return re.compile(
+        "".join(
+            (".+" if "".join(parts[:i]).startswith("/v1/kv/") else "[^/]+") if p == "<x>" else re.escape(p)
+            for i, p in enumerate(parts)
         )
-    return None
+    )
 
 
-def _pynomad_path(call: ast.Call) -> str | None:
-    """`_request("job", job_id, "scale", ...)` or `blocking_list("jobs", ...)` -> /v1/job/<x>/scale."""
-    endpoint = _path_of(call.args[0]) if call.args else None
-    if endpoint is None or "<x>" in endpoint:
-        return None
-    if "." in endpoint and endpoint not in PYNOMAD_PATHS:
-        pytest.fail(f"python-nomad requester {endpoint!r}: add its URL to PYNOMAD_PATHS")
-    parts = [PYNOMAD_PATHS.get(endpoint, endpoint)]
-    parts += [p if (p := _path_of(a)) is not None and "<x>" not in p else "<x>" for a in call.args[1:]]
-    return "/v1/" + "/".join(parts)
-
-
-def api_calls_in(path: Path) -> Iterator[tuple[str | None, str, int]]:
-    """(method or None, path pattern, line) of each Consul or Nomad call spelled out in `path`:
-    python-nomad requesters, and every string that starts with an API path, wherever it sits (a
-    call's argument, or a table of watched endpoints)."""
-    tree = ast.parse(path.read_text(encoding="utf-8"))
-    method_of: dict[int, str | None] = {}  # id(path literal) -> the method its call uses
-    inside_fstring: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.JoinedStr):
-            inside_fstring.update(id(v) for v in node.values)
-        if not isinstance(node, ast.Call):
-            continue
-        func = node.func
-        name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
-        if name == "to_thread" and node.args and isinstance(node.args[0], ast.Attribute):
-            # asyncio.to_thread(nomad.blocking_list, "nodes", ...): the call is the first argument.
-            func = node.args[0]
-            name = func.attr
-            node = ast.Call(func=func, args=node.args[1:], keywords=node.keywords, lineno=node.lineno)
-        if name in ("_request", "request_json", "blocking_list") or name.endswith("_list_fetch"):
-            # nomad_list_fetch(nomad, "allocations", wait_s) names the collection it lists.
-            args = node.args[1:2] if name.endswith("_list_fetch") else node.args
-            url = _pynomad_path(ast.Call(func=func, args=args, keywords=[])) if args else None
-            if url is not None:
-                method = next(
-                    (
-                        str(k.value.value).upper()
-                        for k in node.keywords
-                        if k.arg == "method" and isinstance(k.value, ast.Constant)
-                    ),
-                    "GET",
-                )
-                yield method, url, node.lineno
-            continue
-        for i, arg in enumerate(node.args):
-            before = [
-                a.value for a in node.args[:i] if isinstance(a, ast.Constant) and isinstance(a.value, str)
-            ]
-            verb = next((b.upper() for b in before if b.upper() in METHODS), None)
-            method_of[id(arg)] = verb or (name.upper() if name.upper() in METHODS else None)
-    for node in ast.walk(tree):
-        if not isinstance(node, ast.Constant | ast.JoinedStr) or id(node) in inside_fstring:
-            continue
-        url = _path_of(node)
-        if url is None or not url.startswith("/v1/") or url[4:].split("/")[0].split("?")[0] not in API_ROOTS:
-            continue
-        yield method_of.get(id(node)), url, node.lineno
+def _sample(call: acl.Call) -> str:
+    return re.sub(r"<[^>]+>", "p", call.path.split("?")[0])
 
 
 def table_matches(component: acl.Component, method: str | None, pattern: str) -> bool:
-    wanted = re.compile("".join(".+" if p == "<x>" else re.escape(p) for p in re.split(r"(<x>)", pattern)))
-    for call in acl.CALLS[component]:
-        sample = re.sub(r"<[^>]+>", "p", call.path.split("?")[0])
-        if (method is None or method == call.method) and wanted.fullmatch(sample):
-            return True
-    return False
+    wanted = _pattern(pattern)
+    return any(
+        (method is None or method == call.method) and wanted.fullmatch(_sample(call))
+        for call in acl.CALLS[component]
+    )
 
 
-def test_every_consul_and_nomad_call_in_the_code_is_in_the_acl_table() -> None:
-    """A call added to a client without a line in tests/acl_table.py would go out with a token
-    whose policy never heard of it: the first anyone would know is a 403 in production."""
+def table_call_made(call: acl.Call, made: list[scan.ApiCall]) -> bool:
+    """Some call found in the code is this line of the table (its variable parts any value)."""
+    return any(
+        (found.method is None or found.method == call.method)
+        and _pattern(found.path).fullmatch(_sample(call))
+        for found in made
+    )
+
+
+@pytest.fixture(scope="module")
+def code() -> scan.CodeIndex:
+    return scan.CodeIndex()
+
+
+def verb_calls(code: scan.CodeIndex) -> dict[str, list[scan.ApiCall]]:
+    """`llmgw VERB` -> every Consul and Nomad call reachable from the function that runs it."""
+    from nomad_driver.cli import reference
+
+    out = {}
+    for path, cmd in reference.commands():
+        if cmd.callback is None or hasattr(cmd, "commands"):
+            continue
+        callback = inspect.unwrap(cmd.callback)
+        module, start = code.find(callback.__module__, callback.__qualname__)
+        out[path.removeprefix("llmgw ")] = code.trace(module, start)
+    return out
+
+
+def test_each_verbs_calls_are_granted_to_whose_grants_it_runs_with(code: scan.CodeIndex) -> None:
+    """What `llmgw apply` (or any verb) calls, traced from its own function through every
+    helper and client method it reaches, must be in the table for the grants it runs with
+    (acl.CLI_VERBS); a verb that runs with none must call neither Nomad nor Consul. Checking
+    apply's helpers as the watcher's, because they live in the watcher's files, is how a call
+    only the operator makes would go out with a token nobody granted it."""
+    calls = verb_calls(code)
+    assert set(calls) == set(acl.CLI_VERBS), "every verb traced, and only those"
+    wrong = []
+    for verb, made in sorted(calls.items()):
+        runs_with = acl.CLI_VERBS[verb]
+        for call in made:
+            if runs_with not in acl.COMPONENTS:
+                wrong.append(f"llmgw {verb} ({runs_with}) calls {call}")
+            elif not table_matches(cast(acl.Component, runs_with), call.method, call.path):
+                wrong.append(f"llmgw {verb} calls {call}, which the {runs_with}'s table does not grant")
+    assert not wrong, "calls tests/acl_table.py does not grant:\n" + "\n".join(wrong)
+
+
+def test_every_call_the_table_lists_is_made_by_a_verb_running_with_those_grants(code: scan.CodeIndex) -> None:
+    """The other way round: a table line no verb makes grants what nothing needs."""
+    calls = verb_calls(code)
+    unused = [
+        f"{component}: {call} ({call.why})"
+        for component in acl.COMPONENTS
+        for call in acl.CALLS[component]
+        if not table_call_made(
+            call, [c for v, made in calls.items() if acl.CLI_VERBS[v] == component for c in made]
+        )
+    ]
+    assert not unused, "table lines no verb's code makes:\n" + "\n".join(unused)
+
+
+def test_the_trace_follows_apply_through_its_helpers_and_can_fail(code: scan.CodeIndex) -> None:
+    calls = verb_calls(code)
+    apply = {(c.method, c.path) for c in calls["apply"]}
+    # Through cli/apply.py's helpers and the Nomad and Consul clients' methods.
+    assert {("GET", "/v1/job/<x>"), ("POST", "/v1/job/<x>"), ("PUT", "/v1/kv/llmgw/config/models")} <= apply
+    # `plan` touches nothing: no register, no write.
+    plan = {(c.method, c.path) for c in calls["plan"]}
+    assert ("GET", "/v1/job/<x>") in plan and ("POST", "/v1/job/<x>/plan") in plan
+    assert not {m for m, _ in plan} & {"PUT", "DELETE"} and ("POST", "/v1/job/<x>") not in plan
+    # The check above fails for calls outside a component's table.
+    assert not all(table_matches("router", c.method, c.path) for c in calls["apply"])
+    assert not calls["render"] and not calls["ctl retry"]
+
+
+def test_every_call_in_the_code_is_in_the_acl_table(code: scan.CodeIndex) -> None:
+    """Every call spelled out anywhere in the product, attributed by where it lives, so code no
+    verb is traced to (a handler registered by name, say) is still checked. The CLI's own
+    modules are checked through the verbs that run them, above, and must all be reached."""
+    traced = {c.where.split(" via ")[0] for made in verb_calls(code).values() for c in made}
     found: list[str] = []
     unlisted: list[str] = []
     for path in sorted([*(ROOT / "nomad_driver").rglob("*.py"), *(ROOT / "router").rglob("*.py")]):
         rel = path.relative_to(ROOT)
-        component: acl.Component = (
-            "router"
-            if rel.parts[0] == "router"
-            else "node-agent"
-            if rel.parts[:2] == ("nomad_driver", "node_agent")
-            else "operator"
-            if path.name == "plan.py"  # `llmgw plan` and `apply`, with the operator's tokens
-            else "watcher"
-        )
-        for method, pattern, line in api_calls_in(path):
-            found.append(f"{rel}:{line}")
-            if not table_matches(component, method, pattern):
-                unlisted.append(f"{rel}:{line} {method or '?'} {pattern} (the {component})")
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for call in scan.api_calls_in(tree, path):
+            found.append(call.where)
+            if rel.parts[:2] == ("nomad_driver", "cli"):
+                if call.where not in traced:
+                    unlisted.append(f"{call}: in the CLI, but no verb reaches it")
+                continue
+            component: acl.Component = (
+                "router"
+                if rel.parts[0] == "router"
+                else "node-agent"
+                if rel.parts[:2] == ("nomad_driver", "node_agent")
+                else "watcher"
+            )
+            if not table_matches(component, call.method, call.path):
+                unlisted.append(f"{call} (the {component})")
     assert len(found) >= 10, f"the scan found almost no calls ({found}); it no longer understands the clients"
     assert not unlisted, "calls missing from tests/acl_table.py:\n" + "\n".join(unlisted)
 

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
+from devstack.fleet import effective_nodes
 from devstack.ports import free_port
 from nomad_driver.cli.app import app
 from nomad_driver.cli.apply import apply_file, store_definitions
@@ -73,6 +74,33 @@ def test_apply_stores_the_definitions_and_registers_jobs_once(
     refused = runner.invoke(app, ["apply", str(bad)])
     assert refused.exit_code == 2
     assert "gpu9" in refused.output
+
+
+def test_apply_leaves_a_multi_node_job_to_the_watcher_which_pins_it(
+    consul_url: str, start_standin: Callable[..., Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fabrics = Path(__file__).resolve().parents[1] / "devstack" / "nodes" / "fabrics.yaml"
+    standin = start_standin(
+        nodes=effective_nodes(fabrics, tmp_path / "engines", tmp_path / "nodes.yaml"), consul=False
+    )
+    monkeypatch.setenv("CONSUL_HTTP_ADDR", consul_url)
+    monkeypatch.setenv("NOMAD_ADDR", standin.url)
+    path = tmp_path / "models.yaml"
+    split = TEXT.replace(
+        "models:",
+        "  split:\n    engine: llama.cpp\n    engine_version: b6500\n"
+        "    gpus: 1\n    cpu_mhz: 500\n    memory_mib: 512\n    nodes: 2\nmodels:",
+    )
+    split += (
+        "  wide:\n    source: file:///tmp/wide.gguf\n    profile: split\n    replicas: {min: 1, max: 1}\n"
+    )
+    path.write_text(split)
+    result = CliRunner().invoke(app, ["apply", str(path)])
+    assert result.exit_code == 0, result.output
+    assert "1 registered, 0 unchanged, 1 left to the watcher to pin to a fabric (wide)" in result.output
+    # Never registered without its fabric: Nomad could split one replica over two fabrics.
+    assert Nomad(standin.url).get_job("llmgw-wide") is None
+    assert Nomad(standin.url).get_job("llmgw-a") is not None
 
 
 async def test_apply_writes_the_definitions_only_when_they_changed(consul_url: str) -> None:

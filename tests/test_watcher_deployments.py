@@ -6,6 +6,7 @@ refuse them. llmgw's own jobs keep their deployments and roll out one instance a
 from __future__ import annotations
 
 import copy
+import json
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -19,10 +20,8 @@ from devstack.services import parse_job, passing_instances, register_job
 from nomad_driver.consul import Consul
 from nomad_driver.nomad import Nomad, NomadError
 from nomad_driver.spec import parse_models
-from nomad_driver.state import activity_key
+from nomad_driver.state import activity_key, inflight_key
 from nomad_driver.watcher.loop import Watcher
-from router.activation import NomadClient
-from router.config import NomadSettings
 from tests.fixtures.nomad import StandIn
 from tests.watcher_support import mock_job, models_text, read_state, terminated, until, watchers_on_standin
 
@@ -211,16 +210,25 @@ async def test_an_on_demand_model_activates_and_idles_back_to_zero_while_deploym
     world.nomad.register_job(mock_job(model, 0, run_for="2h"))
     await world.watcher.start()
 
-    # Activation, as the router makes it: its own Nomad client, its scale call.
-    router_nomad = NomadClient(NomadSettings(addr=world.standin.url))
-    await router_nomad.start()
-    try:
-        await world.consul.kv_put(activity_key("od"), str(time.time()))
-        eval_id = await router_nomad.scale(model.job_id, "engine", 1, "llmgw router: activating od")
-        assert eval_id
-    finally:
-        await router_nomad.close()
+    # Activation, as a router asks for it: a waiting request and its ask in the router's
+    # in-flight key; the watcher scales and records its attempt.
+    asked = round(time.time(), 3)
+    waiting = {
+        "router": "r1",
+        "at": asked,
+        "interval_s": 5,
+        "models": {"od": {"requests": 1, "asked": asked}},
+    }
+    await world.consul.kv_put(inflight_key("r1"), json.dumps(waiting))
+    state = await until(
+        lambda: _attempt_for(world, "od", asked), 20, "the watcher's attempt for the router's ask"
+    )
+    assert state.attempt.result == "placed" and state.attempt.eval
     await until(lambda: _live(world, model.job_id) == 1, 20, "a replica placed")
+    # Served: the request ends and the router says when.
+    await world.consul.kv_put(activity_key("od"), str(time.time()))
+    done = {"router": "r1", "at": time.time(), "interval_s": 5, "models": {}}
+    await world.consul.kv_put(inflight_key("r1"), json.dumps(done))
     assert deployment(world.standin.url, model.job_id) is None
 
     # No more requests: the watcher scales it back to zero after idle_timeout.
@@ -286,7 +294,10 @@ def test_llmgws_own_jobs_deploy_and_roll_out_one_watcher_at_a_time(
     common = {"venv": sys.prefix, "nomad_addr": standin.url, "consul_addr": consul_url}
     watcher, _ = parse_job(standin.url, REPO / "jobs" / "local" / "llmgw-watcher.nomad.hcl", common)
     router, _ = parse_job(
-        standin.url, REPO / "jobs" / "local" / "llmgw-router.nomad.hcl", {**common, "port": free_port()}
+        standin.url,
+        REPO / "jobs" / "local" / "llmgw-router.nomad.hcl",
+        # The router talks to Consul only.
+        {"venv": sys.prefix, "consul_addr": consul_url, "port": free_port()},
     )
     for job in (watcher, router):
         assert job["TaskGroups"][0]["Update"]["MaxParallel"] >= 1  # deployments, on purpose
@@ -368,3 +379,8 @@ def _wait(what: str, check: Callable[[], Any], timeout: float) -> Any:
             return result
         time.sleep(0.2)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+async def _attempt_for(world: World, model: str, asked: float) -> Any:
+    state = await read_state(world.consul, model)
+    return state if state is not None and state.attempt is not None and state.attempt.asked >= asked else None

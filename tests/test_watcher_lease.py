@@ -15,9 +15,14 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
+from nomad_driver.nomad import Nomad
+from nomad_driver.render import SHARD_GROUP, render_job
 from nomad_driver.spec import parse_models
 from nomad_driver.state import ModelState, state_key
 from nomad_driver.watcher.admin import WatcherCollector
+from nomad_driver.watcher.leader import LeaseLost
+from nomad_driver.watcher.multinode import scale_replica
+from tests.test_multinode_replica_rules import WIDE
 from tests.watcher_support import PROFILES, mock_job, until, watcher_on_standin
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
@@ -106,3 +111,45 @@ async def test_a_leader_cut_off_from_consul_stops_calling_nomad_within_its_lease
         await watcher.stop()
         await watcher.consul.close()
         await consul.close()
+
+
+def test_a_lease_that_runs_out_during_a_replicas_first_scale_call_stops_its_second(
+    start_standin: Callable[..., Any],
+) -> None:
+    """A multi-node replica is scaled with two Nomad calls, its leader then its shards. The
+    first one can be slow (Nomad under load) for longer than what is left of the lease: the
+    shards' call is then not made, so a deposed leader never scales them against the new one."""
+    node = {
+        "datacenter": "dc1",
+        "cpu_mhz": 8000,
+        "memory_mib": 8192,
+        "attributes": {"driver.mock_driver": "1"},
+        "meta": {"llmgw_engine_llama_cpp": "b6500"},
+        "gpus": [{"model": "NVIDIA L4", "memory_mib": 24564, "count": 1}],
+    }
+    standin = start_standin(nodes=[{**node, "name": f"n{i}"} for i in range(3)], consul=False)
+    job = render_job(WIDE)
+    for group in job["TaskGroups"]:
+        group["Tasks"][0].update(Driver="mock_driver", Config={"run_for": "1h"})
+        group["Tasks"][0].pop("Artifacts", None)
+        group["Tasks"][0].pop("Templates", None)
+    Nomad(standin.url).register_job(job)
+    lease_until = time.monotonic() + 1.0
+
+    def check_lease(what: str) -> None:
+        # The watcher's own rule (Leadership.check_lease): no Nomad call once the lease ran out.
+        if time.monotonic() >= lease_until:
+            raise LeaseLost(f"the lease ran out before {what}")
+
+    class SlowNomad(Nomad):
+        def scale(self, job_id: str, group: str, count: int, message: str) -> dict[str, Any]:
+            answer = super().scale(job_id, group, count, message)
+            time.sleep(max(0.0, lease_until - time.monotonic()) + 0.3)  # answered after the lease
+            return answer
+
+    with pytest.raises(LeaseLost, match=SHARD_GROUP):
+        scale_replica(
+            SlowNomad(standin.url), WIDE.job_id, "engine", 0, "llmgw: idle", WIDE, check_lease=check_lease
+        )
+    groups = httpx.get(f"{standin.url}/v1/job/{WIDE.job_id}", timeout=10).json()["TaskGroups"]
+    assert {g["Name"]: g["Count"] for g in groups} == {"engine": 0, SHARD_GROUP: 2}

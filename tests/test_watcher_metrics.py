@@ -33,6 +33,7 @@ MODEL_GAUGES = (
     "llmgw_model_consecutive_start_failures",
     "llmgw_model_parked",
     "llmgw_model_unplaceable",
+    "llmgw_model_short",
 )
 ARCH_ERROR = "unknown model architecture: 'kev'"
 
@@ -147,12 +148,12 @@ async def test_model_engine_leader_and_certificate_metrics_on_the_small_fleet(
         return body if of_model(body, "llmgw_model_unplaceable", "big") == 1.0 else None
 
     body = await until(settled, 30, "big unplaceable")
-    # desired, ready, consecutive start failures, parked, unplaceable
+    # desired, ready, consecutive start failures, parked, unplaceable, short
     expected = {
-        "crash": (0, 0, 5, 1, 0),
-        "big": (1, 0, 0, 0, 1),
-        "lazy": (0, 0, 0, 0, 0),
-        "old": (0, 0, 0, 0, 0),
+        "crash": (0, 0, 5, 1, 0, 0),
+        "big": (1, 0, 0, 0, 1, 0),
+        "lazy": (0, 0, 0, 0, 0, 0),
+        "old": (0, 0, 0, 0, 0, 0),
     }
     for model, values in expected.items():
         got = tuple(of_model(body, name, model) for name in MODEL_GAUGES)

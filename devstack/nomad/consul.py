@@ -65,7 +65,7 @@ def _port(ports: list[Json], label: str) -> tuple[str, int]:
 
 
 @dataclass
-class Watch:
+class CheckRestart:
     """One check with `check_restart`, and who to restart when it stays unhealthy."""
 
     check_id: str
@@ -86,7 +86,7 @@ class Watch:
 class Registration:
     service_id: str
     body: Json
-    watches: list[Watch]
+    watches: list[CheckRestart]
 
 
 def build_registration(
@@ -119,7 +119,7 @@ def build_registration(
         "EnableTagOverride": bool(service.get("EnableTagOverride")),
     }
     checks: list[Json] = []
-    watches: list[Watch] = []
+    watches: list[CheckRestart] = []
     for check in service.get("Checks") or []:
         reg, watch = _check_registration(sid, svc, check, env, ports, address, port, default_task)
         checks.append(reg)
@@ -139,7 +139,7 @@ def _check_registration(
     address: str,
     port: int,
     default_task: str | None,
-) -> tuple[Json, Watch | None]:
+) -> tuple[Json, CheckRestart | None]:
     name = env.replace(str(check.get("Name") or f'service: "{service["Name"]}" check'))
     kind = str(check.get("Type") or "")
     interval_ns = int(check.get("Interval") or 10_000_000_000)
@@ -185,7 +185,7 @@ def _check_registration(
             # fewer real check runs than Limit would suggest.
             grace = int(restart.get("Grace") if restart.get("Grace") is not None else 1_000_000_000)
             limit = int(restart["Limit"])
-            watch = Watch(
+            watch = CheckRestart(
                 check_id=cid,
                 check_name=name,
                 task=str(task),
@@ -214,7 +214,7 @@ class ServiceRegistry:
         self._client: httpx.AsyncClient | None = None
         self._desired: dict[str, Registration] = {}
         # check ID -> (alloc ID, watch, restarter)
-        self._watches: dict[str, tuple[str, Watch, Restarter]] = {}
+        self._watches: dict[str, tuple[str, CheckRestart, Restarter]] = {}
         self._watcher: asyncio.Task[None] | None = None
         self._syncer: asyncio.Task[None] | None = None
         self._restarts: set[asyncio.Task[None]] = set()

@@ -133,6 +133,15 @@ def with_status(deployment: Json, status: str, description: str, now_ns: int) ->
     return {**deployment, "Status": status, "StatusDescription": description, "ModifyTime": now_ns}
 
 
+def promoted(state: Json, now_ns: int) -> Json:
+    """A group's state once promoted: a progress deadline already running starts over."""
+    out = {**state, "Promoted": True}
+    deadline = int(state.get("ProgressDeadline") or 0)
+    if deadline and parse_rfc3339_ns(state.get("RequireProgressBy")):
+        out["RequireProgressBy"] = rfc3339(now_ns + deadline)
+    return out
+
+
 def has_health(alloc: Json | None) -> bool:
     return bool(alloc) and ((alloc or {}).get("DeploymentStatus") or {}).get("Healthy") is not None
 

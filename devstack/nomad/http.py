@@ -9,7 +9,7 @@ from typing import Any
 
 from aiohttp import web
 
-from devstack.nomad import deployments
+from devstack.nomad import deployments, namespaces
 from devstack.nomad.encode import alloc_stub, job_stub
 from devstack.nomad.httpbase import (
     HEARTBEAT_KEY,
@@ -29,6 +29,7 @@ from devstack.nomad.httpbase import (
 )
 from devstack.nomad.jobplan import job_plan
 from devstack.nomad.nodes import NOMAD_VERSION, node_stub
+from devstack.nomad.operator import SchedulerConfigError
 from devstack.nomad.server import ApiError, NomadServer
 from devstack.nomad.streams import EVENT_HEARTBEAT_S, event_stream, fs_logs
 
@@ -357,12 +358,12 @@ async def deployment(request: web.Request) -> web.StreamResponse:
     if action in ("fail", "pause", "promote") and deployment_id:
         only(request, "PUT", "POST")
         body = await read_body(request)
-        if (
-            action != "fail"
-            and isinstance(body, dict)
-            and body.get("DeploymentID") not in (None, deployment_id)
-        ):
-            raise ApiError(400, "Deployment ID does not match")
+        if action != "fail":
+            given = body.get("DeploymentID") if isinstance(body, dict) else None
+            if not given:
+                raise ApiError(400, "DeploymentID must be specified")
+            if given != deployment_id:
+                raise ApiError(400, "Deployment ID does not match")
         if action == "fail":
             return write_response(server.fail_deployment(deployment_id), request)
         if action == "pause":
@@ -382,6 +383,45 @@ async def deployment(request: web.Request) -> web.StreamResponse:
         (deployments.TABLE,),
         object_query(server, lambda: server.deployment(rest), lambda d: d["ModifyIndex"], deployments.TABLE),
     )
+
+
+# ----- namespaces (command/agent/namespace_endpoint.go) --------------------------------------
+
+
+async def namespaces_list(request: web.Request) -> web.StreamResponse:
+    only(request, "GET")
+    store = request.app[SERVER_KEY].store
+    prefix = request.query.get("prefix", "")
+
+    def query() -> tuple[Any, int]:
+        found = [ns for name, ns in sorted(store.namespaces.items()) if name.startswith(prefix)]
+        return found, store.table_index[namespaces.TABLE]
+
+    return await blocking(request, (namespaces.TABLE,), query)
+
+
+async def namespace_specific(request: web.Request) -> web.StreamResponse:
+    """`/v1/namespace` (create, the name in the body) and `/v1/namespace/<name>`."""
+    server = request.app[SERVER_KEY]
+    name = request.match_info.get("name", "")
+    if request.method == "GET" and name:
+
+        def get() -> Any:
+            found = server.store.namespaces.get(name)
+            if found is None:
+                raise ApiError(404, "Namespace not found")
+            return found
+
+        query = object_query(server, get, lambda ns: ns["ModifyIndex"], namespaces.TABLE)
+        return await blocking(request, (namespaces.TABLE,), query)
+    if request.method in ("PUT", "POST"):
+        index = server.upsert_namespace(await read_body(request), name)
+    elif request.method == "DELETE" and name:
+        index = server.delete_namespace(name)
+    else:
+        raise ApiError(405, "Invalid method")
+    # Nomad's handler returns no object for a namespace write: an empty body and the index.
+    return web.Response(status=200, headers={"X-Nomad-Index": str(index)})
 
 
 # ----- nodes ---------------------------------------------------------------------------------
@@ -481,6 +521,34 @@ async def system_gc(request: web.Request) -> web.StreamResponse:
     return json_response(None, request)
 
 
+async def scheduler_configuration(request: web.Request) -> web.StreamResponse:
+    """`/v1/operator/scheduler/configuration`: GET `{SchedulerConfig, Index, ...}`; PUT/POST a
+    whole configuration (`?cas=` to check-and-set) -> `{Updated, Index}`."""
+    only(request, "GET", "PUT", "POST")
+    server = request.app[SERVER_KEY]
+    config = server.scheduler_config
+    if request.method == "GET":
+        index = server.store.table_index["scheduler_config"]
+        return json_response(
+            {"SchedulerConfig": config.get(), "Index": index, "LastContact": 0, "KnownLeader": True},
+            request,
+            index,
+        )
+    cas: int | None = None
+    if "cas" in request.query:
+        try:
+            cas = int(request.query["cas"])
+        except ValueError as exc:
+            raise ApiError(400, f"Error parsing cas value: {exc}") from None
+    try:
+        updated = config.set(await read_body(request), cas, server.store.next_index())
+    except SchedulerConfigError as exc:
+        raise ApiError(400, str(exc)) from None
+    if updated:
+        server.store.scheduler_config_changed()
+    return write_response({"Updated": updated, "Index": server.store.index}, request)
+
+
 async def status_leader(request: web.Request) -> web.StreamResponse:
     return json_response(request.app[RPC_ADDR_KEY], request)
 
@@ -534,10 +602,14 @@ def make_app(
     route("*", "/v1/allocation/{rest:.+}", allocation)
     route("*", "/v1/deployments", deployments_list)
     route("*", "/v1/deployment/{rest:.+}", deployment)
+    route("*", "/v1/namespaces", namespaces_list)
+    route("*", "/v1/namespace", namespace_specific)
+    route("*", "/v1/namespace/{name}", namespace_specific)
     route("*", "/v1/nodes", nodes)
     route("*", "/v1/node/{rest:.+}", node)
     route("*", "/v1/validate/job", validate_job)
     route("*", "/v1/system/gc", system_gc)
+    route("*", "/v1/operator/scheduler/configuration", scheduler_configuration)
     route("GET", "/v1/status/leader", status_leader)
     route("GET", "/v1/status/peers", status_peers)
     route("GET", "/v1/agent/self", agent_self)

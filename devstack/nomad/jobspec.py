@@ -4,10 +4,13 @@ does on the client side before it registers).
 Nomad's own parser (jobspec2) evaluates the full HCL2 language. This one covers what llmgw's
 jobspecs and rendered jobs use, and what `nomad init` writes: `variable` blocks with defaults,
 `var.x` references, string templates over variables, `coalesce()`, and the job, group, task,
-network, service, check, restart, reschedule, update, migrate, scaling, identity, ui,
-constraint, affinity, device, artifact, template, env, meta and resources blocks. Runtime interpolations (`${attr.*}`, `${meta.*}`, `${NOMAD_*}`) are left for
-the client, as Nomad does. Anything outside that subset is an error naming the block, never
-silently dropped.
+network (port, dns), service (check, check_restart, header), restart, reschedule, update,
+migrate, scaling, identity, ui, constraint and affinity (with jobspec2's shorthand such as
+`distinct_hosts = true` or `regexp = "..."`), resources (device, numa), artifact, template
+(wait, change_script), ephemeral_disk, env, meta and resources blocks, every attribute of each
+under its API name (jobspec_keys.py). Runtime interpolations (`${attr.*}`, `${meta.*}`,
+`${NOMAD_*}`) are left for the client, as Nomad does. Anything outside that subset, a block or an
+attribute, is an error naming it, never silently dropped.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import re
 from typing import Any
 
 import hcl2
+
+from devstack.nomad.jobspec_keys import ATTRS, BLOCK_KEYS, BODY_KEYS, DURATIONS
 
 Json = dict[str, Any]
 
@@ -140,94 +145,8 @@ def _blocks(body: Json, name: str) -> list[tuple[str | None, Json]]:
     return found
 
 
-_KNOWN = {
-    "job": {
-        "type",
-        "datacenters",
-        "node_pool",
-        "namespace",
-        "region",
-        "priority",
-        "meta",
-        "group",
-        "constraint",
-        "affinity",
-        "update",
-        "reschedule",
-        "migrate",
-        "ui",
-    },
-    "group": {
-        "count",
-        "constraint",
-        "affinity",
-        "network",
-        "service",
-        "restart",
-        "reschedule",
-        "update",
-        "task",
-        "meta",
-        "ephemeral_disk",
-        "scaling",
-        "migrate",
-    },
-    "task": {
-        "driver",
-        "config",
-        "env",
-        "template",
-        "resources",
-        "artifact",
-        "meta",
-        "constraint",
-        "affinity",
-        "service",
-        "kill_timeout",
-        "user",
-        "restart",
-        "identity",
-        "shutdown_delay",
-    },
-}
-
-# The attributes each small block may have (Nomad's `hcl:"..."` tags in api/); anything else is
-# refused by name rather than left out of the answer.
-_BLOCK_KEYS = {
-    "restart": {"attempts", "interval", "delay", "mode", "render_templates"},
-    "reschedule": {"attempts", "interval", "delay", "delay_function", "max_delay", "unlimited"},
-    "update": {
-        "stagger",
-        "max_parallel",
-        "health_check",
-        "min_healthy_time",
-        "healthy_deadline",
-        "progress_deadline",
-        "canary",
-        "auto_revert",
-        "auto_promote",
-    },
-    "migrate": {"max_parallel", "health_check", "min_healthy_time", "healthy_deadline"},
-    "scaling": {"min", "max", "enabled", "type", "policy"},
-    "identity": {
-        "name",
-        "aud",
-        "change_mode",
-        "change_signal",
-        "env",
-        "file",
-        "filepath",
-        "service_name",
-        "ttl",
-        "extra_claims",
-    },
-    "ui": {"description", "link"},
-    "link": {"label", "url"},
-}
-
-
 def _check_keys(kind: str, body: Json, where: str) -> None:
-    unknown = {k for k in body if not k.startswith("__")} - (_KNOWN.get(kind) or _BLOCK_KEYS[kind])
+    unknown = {k for k in body if not k.startswith("__")} - (BODY_KEYS.get(kind) or BLOCK_KEYS[kind])
     if unknown:
         raise JobspecError(
             f"{where}: {kind} has {', '.join(sorted(unknown))}, which the stand-in's parser does not support"
@@ -244,15 +163,52 @@ class _Converter:
     def constraints(self, body: Json, where: str, kind: str = "constraint") -> list[Json]:
         out = []
         for _, block in _blocks(body, kind):
+            cw = f"{where}.{kind}"
+            _check_keys(kind, block, cw)
             item = {
-                "LTarget": self.v(block, "attribute", where, ""),
-                "RTarget": str(self.v(block, "value", where, "")),
-                "Operand": self.v(block, "operator", where, "="),
+                "LTarget": self._text(block, "attribute", cw),
+                "RTarget": self._text(block, "value", cw),
+                "Operand": self._text(block, "operator", cw),
             }
+            # jobspec2's shorthand: `regexp = "..."` is operator regexp with that value, and so on.
+            for sugar in (
+                "version",
+                "semver",
+                "regexp",
+                "set_contains_any",
+                "set_contains_all",
+                "set_contains",
+            ):
+                if self._text(block, sugar, cw):
+                    item["Operand"], item["RTarget"] = sugar, self._text(block, sugar, cw)
+            if "distinct_hosts" in block:
+                item["Operand"], item["RTarget"] = "distinct_hosts", self._text(block, "distinct_hosts", cw)
+            if self._text(block, "distinct_property", cw):
+                item["Operand"], item["LTarget"] = (
+                    "distinct_property",
+                    self._text(block, "distinct_property", cw),
+                )
+            item["Operand"] = item["Operand"] or "="
             if kind == "affinity":
-                item["Weight"] = self.v(block, "weight", where, 50)
+                item["Weight"] = self.v(block, "weight", cw, 50)
             out.append(item)
         return out
+
+    def _text(self, block: Json, key: str, where: str) -> str:
+        """An attribute HCL converts to a string, as Nomad's parser does (`true`, not `True`)."""
+        value = self.v(block, key, where, "")
+        return ("true" if value else "false") if isinstance(value, bool) else str(value)
+
+    def attrs(self, kind: str, block: Json, where: str) -> Json:
+        """The block's attributes under their API names (jobspec_keys.ATTRS), durations in
+        nanoseconds; only those the HCL sets, as Nomad's parser leaves the rest unset."""
+        _check_keys(kind, block, where)
+        durations = DURATIONS.get(kind, set())
+        return {
+            field: self._d(block, key, where) if key in durations else self.v(block, key, where)
+            for key, field in ATTRS[kind].items()
+            if key in block
+        }
 
     def _d(self, block: Json, key: str, where: str) -> int | None:
         return duration_ns(self.v(block, key, where), f"{where}.{key}") if key in block else None
@@ -346,81 +302,73 @@ class _Converter:
         return convert(blocks[0][1], f"{where}.{key}") if blocks else None
 
     def service(self, block: Json, where: str) -> Json:
-        checks = []
-        for _, check in _blocks(block, "check"):
-            cw = f"{where}.check"
-            checks.append(
-                {
-                    "Name": self.v(check, "name", cw, ""),
-                    "Type": self.v(check, "type", cw),
-                    "Path": self.v(check, "path", cw, ""),
-                    "Interval": duration_ns(self.v(check, "interval", cw, "10s"), cw),
-                    "Timeout": duration_ns(self.v(check, "timeout", cw, "2s"), cw),
-                    "PortLabel": self.v(check, "port", cw, ""),
-                    "Method": self.v(check, "method", cw, ""),
-                }
-            )
-        return {
-            "Name": self.v(block, "name", where),
-            "PortLabel": self.v(block, "port", where, ""),
-            "Tags": self.v(block, "tags", where, []),
+        service: Json = {
+            "Name": None,
+            "PortLabel": "",
+            "Tags": [],
+            "Provider": "consul",
+            **self.attrs("service", block, where),
             "Meta": self._map(block, "meta", where),
-            "Provider": self.v(block, "provider", where, "consul"),
-            "Checks": checks,
         }
+        for key, field in (("canary_meta", "CanaryMeta"), ("tagged_addresses", "TaggedAddresses")):
+            if _blocks(block, key) or isinstance(block.get(key), dict):
+                service[field] = self._map(block, key, where)
+        restart = self._one(block, "check_restart", where, self.check_restart)
+        if restart is not None:
+            service["CheckRestart"] = restart
+        service["Checks"] = [self.check(c, f"{where}.check") for _, c in _blocks(block, "check")]
+        return service
+
+    def check(self, block: Json, where: str) -> Json:
+        check: Json = {
+            "Name": "",
+            "Type": None,
+            "Path": "",
+            "PortLabel": "",
+            "Method": "",
+            "Interval": duration_ns("10s", where),
+            "Timeout": duration_ns("2s", where),
+            **self.attrs("check", block, where),
+        }
+        header = self._one(block, "header", where, self.header)
+        if header is not None:
+            check["Header"] = header
+        restart = self._one(block, "check_restart", where, self.check_restart)
+        if restart is not None:
+            check["CheckRestart"] = restart
+        return check
+
+    def check_restart(self, block: Json, where: str) -> Json:
+        return self.attrs("check_restart", block, where)
+
+    def header(self, block: Json, where: str) -> Json:
+        """`header { Authorization = ["Basic ..."] }`: each header has a list of values."""
+        headers = self.ev.value(block, where)
+        for name, values in headers.items():
+            if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
+                raise JobspecError(f"{where}.{name}: a header's value is a list of strings")
+        return headers
 
     def _map(self, body: Json, key: str, where: str) -> Json | None:
-        blocks = _blocks(body, key)
+        """`key { a = "b" }` or `key = { a = "b" }`: jobspec2 takes either for a string map."""
+        blocks = [b for _, b in _blocks(body, key)]
+        if isinstance(body.get(key), dict):
+            blocks = [body[key]]
         if not blocks:
             return None
         merged: Json = {}
-        for _, block in blocks:
+        for block in blocks:
             merged.update(self.ev.value(block, f"{where}.{key}"))
         return {k: str(v) if not isinstance(v, str) else v for k, v in merged.items()}
 
     def task(self, name: str, body: Json, where: str) -> Json:
         _check_keys("task", body, where)
-        resources: Json = {}
-        for _, block in _blocks(body, "resources"):
-            rw = f"{where}.resources"
-            resources = {"CPU": self.v(block, "cpu", rw), "MemoryMB": self.v(block, "memory", rw)}
-            devices = []
-            for label, device in _blocks(block, "device"):
-                devices.append(
-                    {
-                        "Name": label,
-                        "Count": self.v(device, "count", rw, 1),
-                        "Constraints": self.constraints(device, rw) or None,
-                        "Affinities": self.constraints(device, rw, "affinity") or None,
-                    }
-                )
-            if devices:
-                resources["Devices"] = devices
         config: Json = {}
         for _, block in _blocks(body, "config"):
             config.update(self.ev.value(block, f"{where}.config"))
-        templates = []
-        for _, block in _blocks(body, "template"):
-            tw = f"{where}.template"
-            templates.append(
-                {
-                    "DestPath": self.v(block, "destination", tw),
-                    "EmbeddedTmpl": self.v(block, "data", tw, ""),
-                    "Envvars": self.v(block, "env", tw, False),
-                    "ChangeMode": self.v(block, "change_mode", tw, "restart"),
-                }
-            )
-        artifacts = []
-        for _, block in _blocks(body, "artifact"):
-            aw = f"{where}.artifact"
-            artifacts.append(
-                {
-                    "GetterSource": self.v(block, "source", aw),
-                    "RelativeDest": self.v(block, "destination", aw, "local/"),
-                    "GetterMode": self.v(block, "mode", aw, "any"),
-                    "GetterOptions": self._map(block, "options", aw),
-                }
-            )
+        templates = [self.template(b, f"{where}.template") for _, b in _blocks(body, "template")]
+        artifacts = [self.artifact(b, f"{where}.artifact") for _, b in _blocks(body, "artifact")]
+        resources = self._one(body, "resources", where, self.resources)
         return {
             "Name": name,
             "Driver": self.v(body, "driver", where),
@@ -429,7 +377,7 @@ class _Converter:
             "Env": self._map(body, "env", where),
             "Templates": templates or None,
             "Artifacts": artifacts or None,
-            "Resources": resources or None,
+            "Resources": resources,
             "Meta": self._map(body, "meta", where),
             "Constraints": self.constraints(body, where) or None,
             "Services": [self.service(b, f"{where}.service") for _, b in _blocks(body, "service")] or None,
@@ -439,6 +387,72 @@ class _Converter:
             "ShutdownDelay": self._d(body, "shutdown_delay", where),
             **self.identities(body, where),
         }
+
+    def resources(self, block: Json, where: str) -> Json:
+        resources: Json = {"CPU": None, "MemoryMB": None, **self.attrs("resources", block, where)}
+        devices = []
+        for label, device in _blocks(block, "device"):
+            dw = f"{where}.device.{label}"
+            devices.append(
+                {
+                    "Name": label,
+                    "Count": 1,
+                    **self.attrs("device", device, dw),
+                    "Constraints": self.constraints(device, dw) or None,
+                    "Affinities": self.constraints(device, dw, "affinity") or None,
+                }
+            )
+        if devices:
+            resources["Devices"] = devices
+        numa = self._one(block, "numa", where, lambda b, w: self.attrs("numa", b, w))
+        if numa is not None:
+            resources["NUMA"] = numa
+        return resources
+
+    def template(self, block: Json, where: str) -> Json:
+        template: Json = {
+            "DestPath": None,
+            "EmbeddedTmpl": "",
+            "Envvars": False,
+            "ChangeMode": "restart",
+            **self.attrs("template", block, where),
+        }
+        for key, field in (("change_script", "ChangeScript"), ("wait", "Wait")):
+            nested = self._one(block, key, where, lambda b, w, k=key: self.attrs(k, b, w))
+            if nested is not None:
+                template[field] = nested
+        return template
+
+    def artifact(self, block: Json, where: str) -> Json:
+        artifact: Json = {
+            "GetterSource": None,
+            "RelativeDest": "local/",
+            "GetterMode": "any",
+            **self.attrs("artifact", block, where),
+            "GetterOptions": self._map(block, "options", where),
+        }
+        headers = self._map(block, "headers", where)
+        if headers is not None:
+            artifact["GetterHeaders"] = headers
+        return artifact
+
+    def network(self, block: Json, where: str) -> Json:
+        dynamic: list[Json] = []
+        reserved: list[Json] = []
+        for label, port in _blocks(block, "port"):
+            entry = {"Label": label, "Value": 0, "To": 0, **self.attrs("port", port, f"{where}.port.{label}")}
+            # A static port is reserved; the rest Nomad picks (`port "http" {}`).
+            (reserved if entry["Value"] else dynamic).append(entry)
+        network: Json = {
+            "Mode": "host",
+            **self.attrs("network", block, where),
+            "DynamicPorts": dynamic or None,
+            "ReservedPorts": reserved or None,
+        }
+        dns = self._one(block, "dns", where, lambda b, w: self.attrs("dns", b, w))
+        if dns is not None:
+            network["DNS"] = dns
+        return network
 
     def identities(self, body: Json, where: str) -> Json:
         """jobspec2 moves the default identity (no name, or "default") to `Identity` and keeps
@@ -450,25 +464,7 @@ class _Converter:
 
     def group(self, name: str, body: Json, where: str) -> Json:
         _check_keys("group", body, where)
-        networks = []
-        for _, block in _blocks(body, "network"):
-            dynamic: list[Json] = []
-            reserved: list[Json] = []
-            for label, port in _blocks(block, "port"):
-                pw = f"{where}.network.port.{label}"
-                entry = {
-                    "Label": label,
-                    "Value": self.v(port, "static", pw, 0),
-                    "To": self.v(port, "to", pw, 0),
-                }
-                (reserved if entry["Value"] else dynamic).append(entry)
-            networks.append(
-                {
-                    "Mode": self.v(block, "mode", where, "host"),
-                    "DynamicPorts": dynamic or None,
-                    "ReservedPorts": reserved or None,
-                }
-            )
+        networks = [self.network(b, f"{where}.network") for _, b in _blocks(body, "network")]
         group: Json = {
             "Name": name,
             "Count": self.v(body, "count", where, 1),
@@ -491,8 +487,9 @@ class _Converter:
             converted = self._one(body, key, where, convert)
             if converted is not None:
                 group[field] = converted
-        for _, block in _blocks(body, "ephemeral_disk"):
-            group["EphemeralDisk"] = {"SizeMB": self.v(block, "size", where, 300)}
+        disk = self._one(body, "ephemeral_disk", where, lambda b, w: self.attrs("ephemeral_disk", b, w))
+        if disk is not None:
+            group["EphemeralDisk"] = {"SizeMB": 300, **disk}
         return group
 
     def job(self, name: str, body: Json) -> Json:

@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from devstack.nomad import deployments
+from devstack.nomad import deployments, namespaces
 from devstack.nomad.canonical import canonicalize_job, spec_changed
 from devstack.nomad.client import ClientRunner
 from devstack.nomad.clock import Clock
@@ -24,6 +24,7 @@ from devstack.nomad.feasible import glob_match
 from devstack.nomad.gc import Collected, GarbageCollector, GCConfig
 from devstack.nomad.jobspec import JobspecError, parse_jobspec, parse_variables_file
 from devstack.nomad.nodes import NodeSpecError, computed_class, node_from_spec
+from devstack.nomad.operator import ERR_REGISTRATION_DISABLED, SchedulerConfiguration
 from devstack.nomad.reconcile import TERMINAL_CLIENT, new_eval
 from devstack.nomad.scheduler import Scheduler
 from devstack.nomad.state import StateStore
@@ -87,6 +88,11 @@ class NomadServer:
         # keeps it in its state DB; it survives a node being replaced through /v1/devstack/node.
         self.dynamic_meta: dict[str, dict[str, str | None]] = {}
         self.static_meta: dict[str, dict[str, str]] = {n["ID"]: dict(n.get("Meta") or {}) for n in nodes}
+        self.scheduler_config = SchedulerConfiguration()
+        # Nomad's state store creates `default` at index 1 (`namespaceInit`).
+        self.store.namespaces[NAMESPACE] = namespaces.namespace(
+            NAMESPACE, namespaces.DEFAULT_DESCRIPTION, CreateIndex=1, ModifyIndex=1
+        )
 
     async def start(self) -> None:
         self.events.start()
@@ -129,35 +135,52 @@ class NomadServer:
 
     def admit(self, raw: Json, query_ns: str | None, now: int) -> Json:
         """What Nomad does to a submitted job before it registers or plans it: the namespace
-        defaulted from the query, canonicalisation, validation and the admission checks
-        (namespace and node pool exist)."""
+        defaulted from the query, canonicalisation, then the admission validators in Nomad's
+        order (the namespace exists and allows the job's drivers, the node pool exists, the job
+        is valid), whose refusals come back together as one multierror with no status code (500)."""
         if not raw.get("Namespace") and query_ns:
             raw = {**raw, "Namespace": query_ns}
         try:
             job = canonicalize_job(raw, now)
         except JobError as exc:
             raise ApiError(exc.code, str(exc)) from None
-        self._namespace(job["Namespace"])
-        errors = validate_job(job)
-        if errors:
-            # Validation runs behind the RPC boundary with no status code, so Nomad answers 500.
-            raise ApiError(500, multierror_text(errors))
-        self._node_pool(job)
+        problems = [
+            *namespaces.admission_problems(self.store, job),
+            *self._node_pool_problems(job),
+            *validate_job(job),
+        ]
+        if problems:
+            raise ApiError(500, multierror_text(problems))
         return job
 
-    def _namespace(self, ns: str | None) -> str:
-        ns = ns or NAMESPACE
-        if ns != NAMESPACE:
-            raise ApiError(400, f'nonexistent namespace "{ns}"')
-        return ns
-
-    def _node_pool(self, job: Json) -> None:
+    def _node_pool_problems(self, job: Json) -> list[str]:
         # A node joining a pool creates it; a job in a pool that no node has is refused at
-        # registration by Nomad's jobNodePoolValidatingHook, with no status code (so 500).
+        # registration by Nomad's jobNodePoolValidatingHook.
         pool = job.get("NodePool") or "default"
         known = {"default", "all"} | {n.get("NodePool") or "default" for n in self.store.nodes.values()}
         if pool not in known:
-            raise ApiError(500, f'job "{job["ID"]}" is in nonexistent node pool "{pool}"')
+            return [f'job "{job["ID"]}" is in nonexistent node pool "{pool}"']
+        return []
+
+    def _registrations_allowed(self) -> None:
+        # `registrationsAreAllowed`: with RejectJobRegistration on, only a management token may
+        # register or scale, and without ACLs there is none.
+        if self.scheduler_config.rejects_registration:
+            raise ApiError(403, ERR_REGISTRATION_DISABLED)
+
+    # ----- namespaces ----------------------------------------------------------------------
+
+    def upsert_namespace(self, body: Any, path_name: str) -> int:
+        try:
+            return namespaces.upsert(self.store, body, path_name)
+        except namespaces.NamespaceError as exc:
+            raise ApiError(exc.code, exc.message) from None
+
+    def delete_namespace(self, name: str) -> int:
+        try:
+            return namespaces.delete(self.store, name)
+        except namespaces.NamespaceError as exc:
+            raise ApiError(exc.code, exc.message) from None
 
     def register(self, body: Any, path_id: str | None = None, query_ns: str | None = None) -> Json:
         if not isinstance(body, dict) or not isinstance(body.get("Job"), dict):
@@ -171,6 +194,7 @@ class NomadServer:
             isinstance(g, dict) and g.get("Scaling") for g in raw.get("TaskGroups") or []
         ):
             raise ApiError(400, "Task groups with job type system do not support scaling blocks")
+        self._registrations_allowed()
         now = self.clock.now_ns()
         job = self.admit(raw, query_ns, now)
         key = (job["Namespace"], job["ID"])
@@ -269,14 +293,15 @@ class NomadServer:
         target = body.get("Target") or {}
         if not isinstance(target, dict):
             raise ApiError(400, "Request decode failed: Target must be an object")
+        count = body.get("Count")
+        if count is not None and (not isinstance(count, int) or isinstance(count, bool)):
+            raise ApiError(400, "Request decode failed: Count must be an integer")
+        self._registrations_allowed()  # in Job.Scale before its arguments are validated
         if target.get("Job") and target["Job"] != job_id:
             raise ApiError(400, "job ID in payload did not match URL")
         group_name = target.get("Group")
         if not group_name:
             raise ApiError(400, "missing task group name for scaling action")
-        count = body.get("Count")
-        if count is not None and (not isinstance(count, int) or isinstance(count, bool)):
-            raise ApiError(400, "Request decode failed: Count must be an integer")
         if count is not None and count < 0:
             raise ApiError(400, "scaling action count can't be negative")
         if count is not None and body.get("Error"):
@@ -782,10 +807,13 @@ class NomadServer:
         )
 
     def promote_deployment(self, deployment_id: str, body: Any) -> Json:
-        """Marks the named groups (or all) promoted. The stand-in places no canaries, so no
-        group ever waits for healthy ones and a promotion only records itself."""
+        """`UpdateDeploymentPromotion`: marks the named groups (or all) promoted and gives each a
+        full progress deadline from now. The stand-in places no canaries, so no group waits for
+        healthy ones; Nomad too accepts a promotion of groups that want none (it has no "no
+        canaries" refusal), and still creates the watcher's evaluation."""
         body = body if isinstance(body, dict) else {}
         groups = set(body.get("Groups") or [])
+        now = self.clock.now_ns()
         with self.store.batch():
             found = self.store.deployments.get(deployment_id)
             if found is None:
@@ -793,10 +821,10 @@ class NomadServer:
             if not deployments.is_active(found):
                 raise ApiError(500, deployments.ERR_NO_PROMOTE)
             states = {
-                name: {**state, "Promoted": True} if body.get("All") or name in groups else state
+                name: deployments.promoted(state, now) if body.get("All") or name in groups else state
                 for name, state in found["TaskGroups"].items()
             }
-            self.store.upsert_deployment({**found, "TaskGroups": states, "ModifyTime": self.clock.now_ns()})
+            self.store.upsert_deployment({**found, "TaskGroups": states, "ModifyTime": now})
             evaluation = self.deployment_eval(self.store.deployments[deployment_id])
         index = self.store.index
         return {

@@ -31,6 +31,8 @@ TABLES = (
     "allocs",
     "nodes",
     "scaling_event",
+    "scheduler_config",
+    "namespaces",
     deployments.TABLE,
 )
 
@@ -77,6 +79,8 @@ class StateStore:
         self.nodes: dict[str, Json] = {}
         self.scaling_events: dict[tuple[str, str], list[Json]] = {}
         self.deployments: dict[str, Json] = {}
+        # Filled by the server with `default`, which Nomad creates at index 1.
+        self.namespaces: dict[str, Json] = {}
         self._deployments_by_job: dict[tuple[str, str], dict[str, Json]] = {}
         # Secondary indexes, as memdb keeps them: a job's or a node's allocations must not cost a
         # scan of every allocation, or a fleet of a thousand jobs answers slower with each one.
@@ -163,6 +167,11 @@ class StateStore:
 
     def next_index(self) -> int:
         return self.index + 1
+
+    def scheduler_config_changed(self) -> int:
+        """The scheduler configuration (kept by `operator.SchedulerConfiguration`) was set: one
+        raft write in Nomad, so it takes an index of its own."""
+        return self._touch("scheduler_config")
 
     # ----- jobs ----------------------------------------------------------------------------
 
@@ -318,6 +327,20 @@ class StateStore:
 
     def active_deployments(self) -> list[Json]:
         return [d for d in self.deployments.values() if deployments.is_active(d)]
+
+    # ----- namespaces ----------------------------------------------------------------------
+
+    def upsert_namespace(self, namespace: Json) -> int:
+        idx = self.index + 1
+        existing = self.namespaces.get(namespace["Name"])
+        namespace["CreateIndex"] = existing["CreateIndex"] if existing else idx
+        namespace["ModifyIndex"] = idx
+        self.namespaces[namespace["Name"]] = namespace
+        return self._touch("namespaces")
+
+    def delete_namespace(self, name: str) -> int:
+        self.namespaces.pop(name, None)
+        return self._touch("namespaces")
 
     # ----- nodes ---------------------------------------------------------------------------
 

@@ -6,11 +6,6 @@ variable "venv" {
   description = "Virtualenv with llmgw installed (its bin/llmgw is run)."
 }
 
-variable "nomad_addr" {
-  type        = string
-  description = "Nomad HTTP API."
-}
-
 variable "consul_addr" {
   type        = string
   description = "Consul HTTP API."
@@ -65,7 +60,6 @@ job "llmgw-router" {
       }
 
       env {
-        NOMAD_ADDR       = var.nomad_addr
         CONSUL_HTTP_ADDR = var.consul_addr
       }
 

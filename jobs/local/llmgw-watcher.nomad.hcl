@@ -82,7 +82,8 @@ job "llmgw-watcher" {
 
       resources {
         cpu    = 200
-        memory = 256
+        # About 250 MB resident at 1,000 models (docs/capacity.md): 256 would leave no room.
+        memory = 512
       }
     }
   }

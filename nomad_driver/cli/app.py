@@ -101,7 +101,7 @@ def plan_command(
 ) -> None:
     """Show what `llmgw apply MODELS.yaml` would change and whether each change fits, touching
     nothing. Exit codes: 0 nothing to do, 2 invalid file, 3 Nomad or Consul unreachable,
-    6 changes that all fit, 7 something fits nowhere."""
+    6 changes that all fit, 7 something fits nowhere, 8 a model's job is not llmgw's."""
     from nomad_driver.cli.plan import plan_or_exit, show_plan
 
     plan = plan_or_exit(models_file, as_json=as_json, verb="plan")
@@ -146,7 +146,8 @@ def router_command(
         "--max-connections",
         envvar="LLMGW_ROUTER_MAX_CONNECTIONS",
         min=0,
-        help="Open client connections; past it the oldest idle one is closed (0: from the fd limit).",
+        help="Open client connections; past it the one idle, or sending its body slowly, the longest is closed "
+        "(0: from the fd limit).",
     ),
     no_activation: bool = typer.Option(
         False, "--no-activation", help="Never scale models up through Nomad; answer 503 instead."

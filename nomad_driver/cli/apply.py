@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nomad_driver.cli.plan import job_to_register
+from nomad_driver.cli.plan import Fleet, job_to_register
 from nomad_driver.consul import Consul
 from nomad_driver.nomad import Nomad
 from nomad_driver.spec import ModelSet, parse_models, read_models_text
@@ -39,6 +39,8 @@ class ApplyResult:
     models: ModelSet
     registered: list[str] = field(default_factory=list)
     unchanged: list[str] = field(default_factory=list)
+    # Multi-node models whose job the leading watcher registers: only it chooses their fabric.
+    for_the_watcher: list[str] = field(default_factory=list)
 
 
 async def store_definitions(consul: Consul, text: str) -> bool:
@@ -72,14 +74,23 @@ def register_jobs(
 ) -> ApplyResult:
     result = ApplyResult(models)
     jobs = current_jobs(nomad, models) if jobs is None else jobs
+    fleet = Fleet(nomad)  # read only for a multi-node model, to pin it to a fabric
     for name, model in sorted(models.models.items()):
         current = jobs.get(name)
         if current is not None and job_is_current(current, model):
             result.unchanged.append(name)
             continue
+        if model.profile.nodes > 1:
+            # Registered without a fabric, Nomad could put one replica's shards in two fabrics
+            # (or start them, only for the watcher to move them a second later): the leading
+            # watcher registers it pinned to a fabric with room, within a pass of the new
+            # definitions. Without a running watcher a multi-node model does not run.
+            result.for_the_watcher.append(name)
+            continue
         # Keeps the replicas it has (a router may have scaled it up, parking to 0); the
         # watcher decides the count, apply only changes what runs. `llmgw plan` plans this job.
-        nomad.register_job(job_to_register(model, current))
+        job, _ = job_to_register(model, current, fleet)
+        nomad.register_job(job)
         result.registered.append(name)
     return result
 

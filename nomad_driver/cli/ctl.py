@@ -131,6 +131,8 @@ def model_reason(model: dict[str, Any]) -> str:
         return f"Nomad refuses to {refused.get('action', 'act')}: {refused.get('message', '')}"
     if model.get("unplaceable"):
         return str(model.get("placement_reason") or "")
+    if model.get("short"):
+        return str(model.get("short_reason") or "")
     return ""
 
 
@@ -180,14 +182,33 @@ def status(
             # The watcher keeps running on the last good definitions; say so before the table.
             typer.echo(f"model definitions not loaded: {response['definitions_problem']}", err=True)
         table = Table(title="llmgw models against what they should have now", title_justify="left")
-        for column in ("MODEL", "DESIRED", "READY", "STATE", "REASON"):
-            table.add_column(column, justify="right" if column in ("DESIRED", "READY") else "left")
+        # Shards and fabric only where some model has them: most fleets have no multi-node model.
+        split = any(as_int(m.get("nodes")) > 1 for m in rows)
+        columns = (
+            "MODEL",
+            "DESIRED",
+            "READY",
+            *(("SHARDS", "FABRIC") if split else ()),
+            "STATE",
+            "IN FLIGHT",
+            "DESIRED BECAUSE",
+            "REASON",
+        )
+        for column in columns:
+            table.add_column(
+                column, justify="right" if column in ("IN FLIGHT", "DESIRED", "READY", "SHARDS") else "left"
+            )
         for m in _problem_first(rows):
+            layout = (_shards_cell(m), str(m.get("fabric") or "")) if split else ()
             table.add_row(
                 str(m.get("model", "")),
                 str(as_int(m.get("desired"))),
                 str(as_int(m.get("ready"))),
+                *layout,
                 _state_text(m),
+                str(as_int(m.get("in_flight"))),
+                # Why desired is what it is, in the watcher's words (`load: 37 in flight / 8 per replica`).
+                str(m.get("desired_detail") or m.get("desired_reason") or ""),
                 model_reason(m),
             )
         _console().print(table)
@@ -200,6 +221,12 @@ def status(
                 err=True,
             )
             raise typer.Exit(EXIT_CHECK_FAILED)
+
+
+def _shards_cell(model: dict[str, Any]) -> str:
+    """`1/2` (running of the shards a replica has) for a multi-node model, "" for one node."""
+    nodes = as_int(model.get("nodes"))
+    return f"{as_int(model.get('shards_running'))}/{nodes - 1}" if nodes > 1 else ""
 
 
 @ctl_app.command("models")
@@ -447,7 +474,8 @@ def replicas_cmd(
     ctx: typer.Context,
     as_json: bool = typer.Option(False, "--json", help="Print the admin API's JSON."),
 ) -> None:
-    """Every replica: model, node, address, state and since when."""
+    """Every replica: model, node, address, state and since when; a multi-node replica with its
+    fabric and its shards' nodes and states."""
     client = client_of(ctx)
     with admin_errors():
         rows = client.replicas()
@@ -455,7 +483,17 @@ def replicas_cmd(
         print_json({"replicas": rows})
         return
     table = Table(title="replicas", title_justify="left")
-    for column in ("MODEL", "ALLOCATION", "NODE", "ADDRESS", "STATE", "SINCE"):
+    split = any(r.get("shards") for r in rows)
+    columns = (
+        "MODEL",
+        "ALLOCATION",
+        "NODE",
+        *(("FABRIC", "SHARDS") if split else ()),
+        "ADDRESS",
+        "STATE",
+        "SINCE",
+    )
+    for column in columns:
         table.add_column(column)
     styles = {"ready": "green", "starting": "yellow", "failed": "bold red"}
     for r in rows:
@@ -464,10 +502,20 @@ def replicas_cmd(
         when = (
             time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(since)) if isinstance(since, int | float) else ""
         )
+        shards = [s for s in r.get("shards") or [] if isinstance(s, dict)]
+        layout = (
+            (
+                str(r.get("fabric") or ""),
+                ", ".join(f"{s.get('node', '')} {s.get('state', '')}" for s in shards),
+            )
+            if split
+            else ()
+        )
         table.add_row(
             str(r.get("model", "")),
             str(r.get("alloc_id", ""))[:8],
             str(r.get("node", "")),
+            *layout,
             str(r.get("address", "")),
             Text(state, style=styles.get(state, "")),
             when,

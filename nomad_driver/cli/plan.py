@@ -13,20 +13,33 @@ stored definitions (`llmgw/config/models`, what watchers and routers use) and th
 from __future__ import annotations
 
 import asyncio
-import fnmatch
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal, NoReturn
 
+from nomad_driver.cli.plan_reading import (
+    Placement,
+    candidates,
+    namespace_default_pool,
+    read_plan,
+)
 from nomad_driver.consul import Consul
-from nomad_driver.nomad import JOB_PREFIX, Nomad
-from nomad_driver.placement import summarize_placement
+from nomad_driver.nomad import JOB_PREFIX, Nomad, NomadError
+from nomad_driver.placement import fabric_rooms, no_fabric_reason
 from nomad_driver.render import render_job
 from nomad_driver.spec import Model, ModelSet, SpecError, parse_models, problem_line, read_models_text
 from nomad_driver.state import CONFIG_MODELS_KEY
-from nomad_driver.watcher.reconcile import job_def_hash, job_group, job_is_current, job_scaling_max
+from nomad_driver.watcher.multinode import pin_to_fabric, set_replica_count
+from nomad_driver.watcher.reconcile import (
+    job_conflict,
+    job_def_hash,
+    job_group,
+    job_is_current,
+    job_scaling_max,
+)
 
 # Exit codes, for CI to gate on (documented in README and docs/operating.md).
 EXIT_NOTHING_TO_DO = 0
@@ -34,8 +47,10 @@ EXIT_INVALID_FILE = 2
 EXIT_UNREACHABLE = 3
 EXIT_CHANGES = 6
 EXIT_FITS_NOWHERE = 7
+EXIT_JOB_CONFLICT = 8
 
-Change = Literal["added", "changed", "removed", "unchanged"]
+# `conflict`: the model's job ID is taken in Nomad by a job llmgw did not render for it.
+Change = Literal["added", "changed", "removed", "unchanged", "conflict"]
 
 
 @dataclass
@@ -43,29 +58,6 @@ class FieldChange:
     field: str  # `source`, `profile`, `profile.gpu_memory_mib`, `replicas.max`, ...
     old: Any
     new: Any
-
-
-@dataclass
-class Candidate:
-    """Where it may go: ready, eligible nodes with the GPUs asked for. Nomad's plan says whether
-    it fits, not where; the rest of the request (engine version, node pool) is Nomad's to check."""
-
-    node_class: str
-    gpu_model: str
-    nodes: int
-
-
-@dataclass
-class Placement:
-    fits: bool
-    count: int  # the replicas planned
-    reason: str = ""  # the watcher's one line, when it fits nowhere
-    candidates: list[Candidate] = field(default_factory=list)
-    preempts: list[str] = field(default_factory=list)  # allocations Nomad would evict
-    updates: dict[str, int] = field(default_factory=dict)  # DesiredTGUpdates, non-zero only
-    # Multi-node models (one replica over several nodes on one fabric) will name the fabric they
-    # would land in here; every model is single-node until multi-node replicas exist.
-    fabric: str | None = None
 
 
 @dataclass
@@ -84,6 +76,7 @@ class ModelPlan:
 class FleetPlan:
     models: list[ModelPlan]
     text: str = ""  # the file as read, so that apply applies exactly what was planned
+    problems: list[str] = field(default_factory=list)  # why apply would refuse the file
 
     def count(self, change: Change) -> int:
         return sum(1 for m in self.models if m.change == change)
@@ -93,11 +86,18 @@ class FleetPlan:
         return [m for m in self.models if m.placement is not None and not m.placement.fits]
 
     @property
+    def conflicts(self) -> list[ModelPlan]:
+        return [m for m in self.models if m.change == "conflict"]
+
+    @property
     def has_changes(self) -> bool:
         return any(m.change != "unchanged" for m in self.models)
 
     @property
     def exit_code(self) -> int:
+        # A conflict first: apply refuses the whole file over it, so nothing else would happen.
+        if self.conflicts:
+            return EXIT_JOB_CONFLICT
         if self.unplaceable:
             return EXIT_FITS_NOWHERE
         return EXIT_CHANGES if self.has_changes else EXIT_NOTHING_TO_DO
@@ -108,6 +108,7 @@ class FleetPlan:
                 EXIT_NOTHING_TO_DO: "nothing to do",
                 EXIT_CHANGES: "changes",
                 EXIT_FITS_NOWHERE: "fits nowhere",
+                EXIT_JOB_CONFLICT: "job conflict",
             }[self.exit_code],
             "exit_code": self.exit_code,
             "summary": {
@@ -115,8 +116,10 @@ class FleetPlan:
                 "changed": self.count("changed"),
                 "removed": self.count("removed"),
                 "unchanged": self.count("unchanged"),
+                "conflict": self.count("conflict"),
                 "fits_nowhere": len(self.unplaceable),
             },
+            "problems": self.problems,
             "models": [asdict(m) for m in self.models],
         }
 
@@ -153,14 +156,75 @@ def stored_definitions(consul: Consul | None = None) -> tuple[ModelSet | None, s
         )
 
 
-def job_to_register(model: Model, current: Mapping[str, Any] | None) -> dict[str, Any]:
+class Fleet:
+    """What is read of Nomad's nodes, allocations and namespace, each once and only when a model
+    needs it: most plans need the node list alone, and only a multi-node model its fabrics."""
+
+    def __init__(self, nomad: Nomad) -> None:
+        self.nomad = nomad
+
+    @cached_property
+    def node_stubs(self) -> list[dict[str, Any]]:
+        _, stubs = self.nomad.blocking_list("nodes", params={"resources": "true"})
+        return stubs
+
+    @cached_property
+    def nodes(self) -> list[dict[str, Any]]:
+        """Every node in full: the list's stubs carry no meta, where each node's fabric is."""
+        out = []
+        for stub in self.node_stubs:
+            node_id = str(stub.get("ID", ""))
+            try:
+                full = self.nomad.request_json("node", node_id, what=f"node {node_id}")
+            except NomadError as exc:
+                if exc.status != 404:
+                    raise
+                continue  # garbage-collected between the list and the read
+            if isinstance(full, dict):
+                out.append({**full, **stub})
+        return out
+
+    @cached_property
+    def allocs(self) -> list[dict[str, Any]]:
+        _, allocs = self.nomad.blocking_list("allocations", params={"resources": "true"})
+        return allocs
+
+    @cached_property
+    def default_pool(self) -> str:
+        """The node pool a job that names none lands in (see `namespace_default_pool`)."""
+        try:
+            namespace = self.nomad.request_json(
+                "namespace", self.nomad.namespace, what=f"namespace {self.nomad.namespace}"
+            )
+        except NomadError as exc:
+            if exc.status != 404:  # a Nomad without namespaces (the dev stack's stand-in)
+                raise
+            namespace = None
+        return namespace_default_pool(namespace)
+
+
+def job_to_register(
+    model: Model, current: Mapping[str, Any] | None, fleet: Fleet
+) -> tuple[dict[str, Any], str | None]:
     """The job `apply` registers: the rendered definition, keeping the replicas a running job
-    has (a router may have scaled it up, parking scaled it to 0), within the new maximum."""
+    has (a router may have scaled it up, parking scaled it to 0), within the new maximum; a
+    multi-node replica whole (its leader and every shard, or nothing) and pinned to a fabric
+    as the watcher pins it. Returns the job and that fabric (None for a single-node model, or
+    when no fabric has room: then it goes unpinned, as the watcher registers it)."""
     job = render_job(model)
     if current is not None:
         _, count = job_group(current)
-        job["TaskGroups"][0]["Count"] = min(count, model.replicas_max)
-    return job
+        set_replica_count(job, min(count, model.replicas_max))
+    if model.profile.nodes <= 1:
+        return job, None
+    return job, pin_to_fabric(job, model, fleet.nodes, fleet.allocs)
+
+
+def no_room_reason(model: Model, fleet: Fleet) -> str:
+    """Why no fabric holds a replica of `model`, counted as `pin_to_fabric` counts (its own
+    running shards are room it would take over)."""
+    others = [a for a in fleet.allocs if a.get("JobID") != model.job_id]
+    return no_fabric_reason(fabric_rooms(fleet.nodes, others, model.name), model.profile.nodes)
 
 
 # ----- what changed -------------------------------------------------------------------------
@@ -205,6 +269,12 @@ _JOB_FIELDS = ("source", "profile", "replicas.max")
 def classify(model: Model, stored: Model | None, job: Mapping[str, Any] | None) -> ModelPlan:
     """Added, changed (which fields) or unchanged, against the stored definition and the job."""
     plan = ModelPlan(model.name, model.job_id, "unchanged", on_demand=model.replicas_min == 0)
+    conflict = job_conflict(job, model)
+    if conflict:
+        # Someone else's job under this model's ID: apply refuses the file rather than replace it.
+        plan.change = "conflict"
+        plan.notes.append(conflict)
+        return plan
     if job is None:
         plan.change = "added"
         if stored is not None:
@@ -253,88 +323,35 @@ def nomad_plan(nomad: Nomad, job: dict[str, Any]) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-def read_plan(answer: Mapping[str, Any], job: Mapping[str, Any], count: int) -> Placement:
-    """Nomad's `JobPlanResponse` as the operator wants it: fits or not, and why not in the same
-    words the watcher uses once the model is applied."""
-    failed = answer.get("FailedTGAllocs")
-    annotations = answer.get("Annotations") if isinstance(answer.get("Annotations"), Mapping) else {}
-    assert isinstance(annotations, Mapping)
-    updates: dict[str, int] = {}
-    for group in (annotations.get("DesiredTGUpdates") or {}).values():
-        if isinstance(group, Mapping):
-            for key, value in group.items():
-                if isinstance(value, int) and value:
-                    updates[key] = updates.get(key, 0) + value
-    preempts = [
-        f"{a.get('JobID', '?')}/{a.get('ID', '?')}"
-        for a in annotations.get("PreemptedAllocs") or []
-        if isinstance(a, Mapping)
-    ]
-    fits = not (isinstance(failed, Mapping) and failed)
-    reason = "" if not isinstance(failed, Mapping) or fits else summarize_placement(dict(failed), dict(job))
-    return Placement(fits=fits, count=count, reason=reason, preempts=preempts, updates=updates)
-
-
-def candidates(model: Model, nodes: Sequence[Mapping[str, Any]]) -> list[Candidate]:
-    """Ready, eligible nodes in the profile's node pool and datacenters with enough healthy GPUs
-    of the memory and model asked for, grouped by node class and GPU model. Node stubs carry no meta, so the engine constraint is
-    left to Nomad, whose plan has already said whether the model fits."""
-    p = model.profile
-    counts: dict[tuple[str, str], int] = {}
-    pool = p.node_pool or "default"
-    datacenters = p.datacenters or ["*"]
-    for node in nodes:
-        if (
-            node.get("Status") != "ready"
-            or node.get("SchedulingEligibility") == "ineligible"
-            or node.get("Drain")
-        ):
-            continue
-        # Where the profile places it (Nomad's pool `all` holds every node).
-        if pool != "all" and str(node.get("NodePool") or "default") != pool:
-            continue
-        if not any(fnmatch.fnmatchcase(str(node.get("Datacenter", "")), dc) for dc in datacenters):
-            continue
-        node_class = str(node.get("NodeClass") or "")
-        if p.gpus == 0:
-            counts[(node_class, "")] = counts.get((node_class, ""), 0) + 1
-            continue
-        resources = node.get("NodeResources") if isinstance(node.get("NodeResources"), Mapping) else {}
-        assert isinstance(resources, Mapping)
-        for group in resources.get("Devices") or []:
-            if (
-                not isinstance(group, Mapping)
-                or group.get("Type") != "gpu"
-                or group.get("Vendor") != "nvidia"
-            ):
-                continue
-            name = str(group.get("Name") or "")
-            healthy = sum(
-                1 for i in group.get("Instances") or [] if isinstance(i, Mapping) and i.get("Healthy")
-            )
-            memory = _memory_mib(group)
-            if healthy < p.gpus or (p.gpu_memory_mib and memory < p.gpu_memory_mib):
-                continue
-            if p.gpu_models and name not in p.gpu_models:
-                continue
-            counts[(node_class, name)] = counts.get((node_class, name), 0) + 1
-            break
-    return [Candidate(c, g, n) for (c, g), n in sorted(counts.items())]
-
-
-def _memory_mib(group: Mapping[str, Any]) -> int:
-    attrs = group.get("Attributes") if isinstance(group.get("Attributes"), Mapping) else {}
-    assert isinstance(attrs, Mapping)
-    memory = attrs.get("memory")
-    if not isinstance(memory, Mapping):
-        return 0
-    value = memory.get("Int")
-    unit = str(memory.get("Unit") or "MiB")
-    factor = {"MiB": 1, "GiB": 1024, "KiB": 1 / 1024}.get(unit, 1)
-    return int((value or 0) * factor)
-
-
 # ----- the whole plan -----------------------------------------------------------------------
+
+
+def plan_placement(
+    nomad: Nomad, fleet: Fleet, model: Model, job: Mapping[str, Any] | None
+) -> tuple[Placement, bool]:
+    """Nomad's plan of the job `apply` would register, at the replicas it will run; for a
+    multi-node model, pinned to the fabric the watcher would choose. Returns the placement and
+    whether the model is planned on demand."""
+    target, fabric = job_to_register(model, job, fleet)
+    count, on_demand = planned_count(model, target)
+    set_replica_count(target, count)
+    placement = read_plan(nomad_plan(nomad, target), target, count)
+    if model.profile.nodes > 1:
+        placement.fabric, placement.nodes = fabric, model.profile.nodes
+        if fabric is None:
+            # Unpinned, Nomad may still find nodes, but in fabrics that are not connected to
+            # one another: that replica could never run.
+            reason = no_room_reason(model, fleet)
+            placement.reason = f"{reason}; {placement.reason}" if not placement.fits else reason
+            placement.fits = False
+    if placement.fits:
+        placement.candidates = candidates(
+            model,
+            fleet.nodes if fabric else fleet.node_stubs,
+            default_pool="default" if model.profile.node_pool else fleet.default_pool,
+            fabric=fabric,
+        )
+    return placement, on_demand
 
 
 def plan_models(models: ModelSet, *, consul: Consul | None = None, nomad: Nomad | None = None) -> FleetPlan:
@@ -342,27 +359,21 @@ def plan_models(models: ModelSet, *, consul: Consul | None = None, nomad: Nomad 
     nomad = nomad or Nomad()
     stored, note = stored_definitions(consul)
     _, job_stubs = nomad.blocking_list("jobs", params={"prefix": JOB_PREFIX, "meta": "true"})
-    nodes: list[dict[str, Any]] | None = None
+    fleet = Fleet(nomad)
     out: list[ModelPlan] = []
+    problems: list[str] = []
     for name, model in sorted(models.models.items()):
         job = nomad.get_job(model.job_id)
         mp = classify(model, stored.models.get(name) if stored else None, job)
+        if mp.change == "conflict":
+            problems.extend(mp.notes)
         if note:
             mp.notes.append(note)
         out.append(mp)
-        if mp.change == "unchanged":
+        if mp.change in ("unchanged", "conflict"):
             continue
-        target = job_to_register(model, job)
-        count, on_demand = planned_count(model, target)
-        mp.on_demand = on_demand
-        target["TaskGroups"][0]["Count"] = count
-        answer = nomad_plan(nomad, target)
-        mp.placement = read_plan(answer, target, count)
+        mp.placement, mp.on_demand = plan_placement(nomad, fleet, model, job)
         mp.replaces_replicas = mp.placement.updates.get("DestructiveUpdate", 0) > 0
-        if mp.placement.fits:
-            if nodes is None:
-                _, nodes = nomad.blocking_list("nodes", params={"resources": "true"})
-            mp.placement.candidates = candidates(model, nodes)
 
     defined = set(models.models)
     removed: dict[str, str] = {}
@@ -378,7 +389,7 @@ def plan_models(models: ModelSet, *, consul: Consul | None = None, nomad: Nomad 
         mp = ModelPlan(model_name, job_id, "removed")
         mp.notes.append(f"apply does not stop its job; run `nomad job stop {job_id}` to stop its replicas")
         out.append(mp)
-    return FleetPlan(out)
+    return FleetPlan(out, problems=problems)
 
 
 def plan_text(
@@ -390,7 +401,7 @@ def plan_text(
 
 # ----- showing it ---------------------------------------------------------------------------
 
-_SIGN = {"added": "+", "changed": "~", "removed": "-", "unchanged": "="}
+_SIGN = {"added": "+", "changed": "~", "removed": "-", "unchanged": "=", "conflict": "!"}
 
 
 def _value(v: Any) -> str:
@@ -399,6 +410,22 @@ def _value(v: Any) -> str:
     if isinstance(v, list):
         return "[" + ", ".join(str(x) for x in v) + "]"
     return str(v)
+
+
+def _placement_lines(m: ModelPlan, p: Placement) -> list[str]:
+    replicas = f"{p.count} replica{'s' if p.count != 1 else ''}"
+    if m.on_demand:
+        replicas = "1 replica when first asked for (on demand)"
+    if not p.fits:
+        return [f"    FITS NOWHERE: {replicas}: {p.reason}"]
+    if p.fabric:
+        replicas += f", in fabric {p.fabric} ({p.nodes} nodes)"
+    where = ", ".join(
+        f"{c.nodes} node{'s' if c.nodes != 1 else ''} of class {c.node_class or '(none)'}"
+        + (f" ({c.gpu_model})" if c.gpu_model else "")
+        for c in p.candidates
+    )
+    return [f"    fits: {replicas}" + (f"; matching GPUs on {where}" if where else "")]
 
 
 def render_text(plan: FleetPlan, origin: str) -> str:
@@ -410,18 +437,7 @@ def render_text(plan: FleetPlan, origin: str) -> str:
             lines.append(f"    {f.field}: {_value(f.old)} -> {_value(f.new)}")
         p = m.placement
         if p is not None:
-            replicas = f"{p.count} replica{'s' if p.count != 1 else ''}"
-            if m.on_demand:
-                replicas = "1 replica when first asked for (on demand)"
-            if p.fits:
-                where = ", ".join(
-                    f"{c.nodes} node{'s' if c.nodes != 1 else ''} of class {c.node_class or '(none)'}"
-                    + (f" ({c.gpu_model})" if c.gpu_model else "")
-                    for c in p.candidates
-                )
-                lines.append(f"    fits: {replicas}" + (f"; matching GPUs on {where}" if where else ""))
-            else:
-                lines.append(f"    FITS NOWHERE: {replicas}: {p.reason}")
+            lines += _placement_lines(m, p)
             if m.replaces_replicas:
                 n = p.updates.get("DestructiveUpdate", 0)
                 lines.append(
@@ -429,13 +445,16 @@ def render_text(plan: FleetPlan, origin: str) -> str:
                 )
             if p.preempts:
                 lines.append(f"    would preempt: {', '.join(p.preempts)}")
-        for note in m.notes:
-            lines.append(f"    note: {note}")
+        for i, note in enumerate(m.notes):
+            lines.append(f"    {'problem' if m.change == 'conflict' and i == 0 else 'note'}: {note}")
     added, changed, removed = plan.count("added"), plan.count("changed"), plan.count("removed")
     tail = (
         f"{origin}: {added} to add, {changed} to change, {removed} removed, "
         f"{plan.count('unchanged')} unchanged"
     )
+    if plan.conflicts:
+        n = len(plan.conflicts)
+        tail += f"; {n} job{'s' if n != 1 else ''} not llmgw's: apply would apply nothing"
     if plan.unplaceable:
         tail += f"; {len(plan.unplaceable)} fit{'s' if len(plan.unplaceable) == 1 else ''} nowhere"
     elif not plan.has_changes:

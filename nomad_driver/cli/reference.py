@@ -37,9 +37,19 @@ ENV_NOTES: dict[str, str] = {
     "CONSUL_CACERT": "CA certificate that signed Consul's HTTPS certificate",
     "CONSUL_CLIENT_CERT": "client certificate for Consul's mutual TLS",
     "CONSUL_CLIENT_KEY": "private key of CONSUL_CLIENT_CERT",
-    "LLMGW_ADMIN_TOKEN": "the watcher: when set, `POST` on the admin API needs `Authorization: Bearer <it>`; `llmgw ctl`: the token it sends",
+    "LLMGW_ADMIN_TOKEN": (
+        "the watcher: when set, `POST` on the admin API needs `Authorization: Bearer <it>`; "
+        "listening beyond loopback, every route but `/healthz` and `/metrics` needs it, and "
+        "unset there the watcher generates one into `$NOMAD_SECRETS_DIR/llmgw-admin-token` "
+        "(else a new directory under `/tmp`) and logs where; `llmgw ctl`: the token it sends"
+    ),
     "LLMGW_API_KEYS": "the router: API keys, comma-separated (with `--api-keys-file`)",
     "LLMGW_TLS_CERTS": "more certificate files whose expiry is published, comma-separated",
+    "LLMGW_ROUTER_CLIENT_SEND_S": "the router: seconds a client may stop reading before it is dropped; default 30",
+    "LLMGW_ROUTER_MAX_WAITING": "the router: requests that may wait for one model's replica; default 128, then 429",
+    "LLMGW_ROUTER_POLICY": "the router: `affinity` (default), `least-outstanding` or `round-robin`",
+    "NOMAD_ALLOC_ID": "set by Nomad; the router's ID for its in-flight key (else host, PID and a random suffix)",
+    "NOMAD_SECRETS_DIR": "set by Nomad; where the watcher writes the admin token it generates",
 }
 
 # One line per admin API route; the bodies are in docs/admin-api.md.
@@ -192,7 +202,9 @@ def admin_section() -> list[str]:
     out = [
         "## Admin API",
         "",
-        "Served by every watcher at `--listen`; the bodies are in [admin-api.md](admin-api.md).",
+        "Served by every watcher at `--listen`. The routes answer with plain JSON objects, not",
+        "schema models, so their bodies are not generated here: each is documented field by field",
+        "in [admin-api.md](admin-api.md), which the docs test checks names every route below.",
         "",
         "| method | path | what |",
         "| --- | --- | --- |",

@@ -117,8 +117,24 @@ def watcher(
     api_docs: bool = typer.Option(
         False, "--api-docs", help="Serve FastAPI's /docs, /redoc and /openapi.json (off by default)."
     ),
+    scale_up_window: float = typer.Option(
+        6.0,
+        "--scale-up-window",
+        envvar="LLMGW_SCALE_UP_WINDOW_S",
+        min=0.5,
+        help="Seconds of requests in flight averaged before load asks for more replicas "
+        "(a burst of twice what the replicas carry is answered at once).",
+    ),
+    scale_step_interval: float = typer.Option(
+        5.0,
+        "--scale-step-interval",
+        envvar="LLMGW_SCALE_STEP_INTERVAL_S",
+        min=0.1,
+        help="Least seconds between two changes of a model's count by load.",
+    ),
 ) -> None:
-    """Watch Nomad and Consul: park failing models, name unplaceable ones, scale idle ones down."""
+    """Watch Nomad and Consul: park failing models, name unplaceable ones, scale each model by
+    its load, and answer the routers' activation asks (the one writer of every job's count)."""
     import uvicorn
 
     from nomad_driver.consul import Consul
@@ -146,6 +162,8 @@ def watcher(
             address=advertise_address(listen, advertise),
             max_start_failures=max_start_failures,
             leader_ttl_s=leader_ttl,
+            scale_up_window_s=scale_up_window,
+            scale_step_interval_s=scale_step_interval,
         )
         w = Watcher(consul, Nomad(), config)
         await w.start()
@@ -203,8 +221,10 @@ def apply(
     ),
 ) -> None:
     """Show the plan for MODELS.yaml, then store it in Consul (llmgw/config/models) and register
-    its jobs. Asks first in a terminal; without one it applies a plan where everything fits, and
-    refuses (exit 7) one where a model fits nowhere unless --allow-unplaceable."""
+    its jobs. Asks first in a terminal (unless there is nothing to do); without one it applies a
+    plan where everything fits, and refuses (exit 7) one where a model fits nowhere unless
+    --allow-unplaceable. A model whose job ID is taken by a job llmgw did not render refuses the
+    whole file (exit 5)."""
     from nomad_driver.cli.apply import ApplyConflict, apply_file
     from nomad_driver.cli.plan import EXIT_FITS_NOWHERE, plan_or_exit, show_plan
     from nomad_driver.consul import ConsulError
@@ -213,8 +233,15 @@ def apply(
 
     plan = plan_or_exit(models, as_json=False, verb="apply")
     show_plan(plan, str(models), as_json=False)
+    if plan.problems:
+        # Applying would stop at the first job that is someone else's; asking first would only
+        # have the operator agree to something that cannot happen.
+        typer.echo(f"llmgw apply: {'; '.join(plan.problems)}; nothing was applied", err=True)
+        raise typer.Exit(EXIT_REFUSED)
     unplaceable = [m.model for m in plan.unplaceable]
-    if _has_terminal() and not auto_approve:
+    # With nothing to do there is nothing to agree to: no job changes, and the file is stored
+    # as it is (its comments, say) without a question.
+    if plan.has_changes and _has_terminal() and not auto_approve:
         question = "Apply these changes?"
         if unplaceable:
             question = (
@@ -246,9 +273,15 @@ def apply(
     except (ConsulError, NomadError) as exc:
         typer.echo(f"llmgw apply: {exc}", err=True)
         raise typer.Exit(EXIT_UNREACHABLE) from None
+    pinned = (
+        f", {len(result.for_the_watcher)} left to the watcher to pin to a fabric "
+        f"({', '.join(result.for_the_watcher)})"
+        if result.for_the_watcher
+        else ""
+    )
     typer.echo(
         f"applied {len(result.models.models)} models: {len(result.registered)} registered, "
-        f"{len(result.unchanged)} unchanged"
+        f"{len(result.unchanged)} unchanged{pinned}"
     )
 
 

@@ -1,3 +1,2 @@
 """The watcher: the control loop that watches Consul and Nomad, reconciles, parks, places, leads,
-acts, reports, and serves the admin API. Imports the root contracts and clients only; never cli,
-node_agent or router."""
+acts, reports and serves the admin API. Imports the root only; never cli, node_agent or router."""

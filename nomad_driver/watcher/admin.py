@@ -24,9 +24,12 @@ from nomad_driver.admin_api import TOKEN_ENV
 from nomad_driver.certs import register_cert_collector
 from nomad_driver.consul import ConsulError
 from nomad_driver.node_meta import ENGINE_KEY_PREFIX, FABRIC_KEY, engine_meta_key, models_cached
+from nomad_driver.placement import job_fabric
 from nomad_driver.spec import redact
 from nomad_driver.summary import fleet_summary, gpu_use, held_devices, node_state
 from nomad_driver.watcher.loop import NotLeader, UnknownModel, Watcher
+from nomad_driver.watcher.reconcile import ModelView
+from nomad_driver.watcher.scaling import REASONS
 
 # Node meta key -> engine name. The key is a mangled name (`llama.cpp` and `llama_cpp` would
 # both be `llmgw_engine_llama_cpp`), so the known engines are mapped back by name; a key no
@@ -92,7 +95,8 @@ class WatcherCollector(Collector):
             ),
             "refused": GaugeMetricFamily(
                 "llmgw_model_action_refused",
-                "1 while Nomad refuses, for good (a 4xx), to register or scale the model's job.",
+                "1 while Nomad refuses, for good (a 4xx, or a 500 in its validation's words), to register or "
+                "scale the model's job.",
                 labels=["model"],
             ),
             "in_flight": GaugeMetricFamily(
@@ -100,7 +104,19 @@ class WatcherCollector(Collector):
                 "Requests in flight on the model's replicas, summed over the routers.",
                 labels=["model"],
             ),
+            "short": GaugeMetricFamily(
+                "llmgw_model_short",
+                "1 while Nomad cannot place the replicas the model's load asks for (its minimum serves).",
+                labels=["model"],
+            ),
         }
+        # One series per reason, every reason at 0 too, so a rule can say how long a model
+        # was held at its max without the series appearing and vanishing.
+        reasons = GaugeMetricFamily(
+            "llmgw_model_desired_reason",
+            "1 for the reason the model's desired replicas are what they are, 0 for the others.",
+            labels=["model", "reason"],
+        )
         for name in sorted(w.models):
             d = w.decisions.get(name)
             v = w.views.get(name)
@@ -111,7 +127,12 @@ class WatcherCollector(Collector):
             gauges["parked"].add_metric([name], 1 if d and d.state.parked else 0)
             gauges["unplaceable"].add_metric([name], 1 if d and d.state.unplaceable else 0)
             gauges["refused"].add_metric([name], 1 if d and d.state.last_action_error else 0)
+            gauges["short"].add_metric([name], 1 if d and d.state.short else 0)
+            for reason in REASONS:
+                reasons.add_metric([name, reason], 1 if d and d.desired_reason == reason else 0)
         yield from gauges.values()
+        yield reasons
+        yield shards_running(w)
         leader = GaugeMetricFamily("llmgw_leader", "1 on the watcher that leads.")
         leader.add_metric([], 1 if w.leadership.is_leader else 0)
         yield leader
@@ -140,6 +161,21 @@ class WatcherCollector(Collector):
         yield available
 
 
+def shards_running(w: Watcher) -> Metric:
+    """One series per multi-node model, at 0 too, labelled with the fabric its job is pinned to
+    ("" before it is pinned): a replica short of shards serves nothing."""
+    family = GaugeMetricFamily(
+        "llmgw_model_replica_shards_running",
+        "Shards of the multi-node model's replica that run now (it serves only with all of them).",
+        labels=["model", "fabric"],
+    )
+    for name in sorted(w.models):
+        if w.models[name].profile.nodes > 1 and name in w.decisions:
+            layout = replica_layout(w, name)
+            family.add_metric([name, layout["fabric"]], layout["shards_running"])
+    return family
+
+
 def model_status(w: Watcher, name: str) -> dict[str, Any]:
     """One model as the admin API and `llmgw ctl` show it."""
     d = w.decisions.get(name)
@@ -156,6 +192,8 @@ def model_status(w: Watcher, name: str) -> dict[str, Any]:
         word = "refused"
     elif d.state.unplaceable:
         word = "unplaceable"
+    elif d.state.short:
+        word = "short"  # serving its minimum; Nomad cannot place what the load asks for
     elif d.ready >= d.desired:
         word = "idle" if d.desired == 0 and d.ready == 0 else "satisfied"
     else:
@@ -172,8 +210,17 @@ def model_status(w: Watcher, name: str) -> dict[str, Any]:
         "profile": m.profile_name,
         "replicas_min": m.replicas_min,
         "replicas_max": m.replicas_max,
-        "replicas": {"min": m.replicas_min, "max": m.replicas_max},
+        "replicas": {
+            "min": m.replicas_min,
+            "max": m.replicas_max,
+            "target_in_flight": m.target_in_flight,
+            "scale_down_delay_s": m.scale_down_delay_s,
+        },
         "desired": d.desired,
+        "desired_reason": d.desired_reason,
+        "desired_detail": d.desired_detail,
+        "short": d.state.short,
+        "short_reason": redact(d.state.short_reason),
         "ready": d.ready,
         "starting": d.starting,
         "satisfied": d.ready >= d.desired and not d.state.parked,
@@ -185,11 +232,39 @@ def model_status(w: Watcher, name: str) -> dict[str, Any]:
         "unplaceable": d.state.unplaceable,
         "placement_reason": redact(d.state.placement_reason),
         "placement_eval": d.state.placement_eval,
-        "last_action_error": refused.model_dump() if refused is not None else None,
+        "last_action_error": (
+            {**refused.model_dump(), "message": redact(refused.message)} if refused is not None else None
+        ),
         "in_flight": view.in_flight if view else 0,
+        "in_flight_average": round(_average(view), 2),
         "busy_replicas": view.busy_replicas if view else 0,
         "job_conflict": d.state.job_conflict,
+        **replica_layout(w, name),
     }
+
+
+def _average(view: ModelView | None) -> float:
+    if view is None:
+        return 0.0
+    return float(view.in_flight if view.in_flight_average is None else view.in_flight_average)
+
+
+def replica_layout(w: Watcher, name: str) -> dict[str, Any]:
+    """Where a model's replicas are: `nodes` per replica (its profile's), and for a multi-node
+    model the fabric its job is pinned to, the nodes its live replica holds (leader first) and
+    how many of its shards run."""
+    m = w.models[name]
+    view = w.views.get(name)
+    out: dict[str, Any] = {"nodes": m.profile.nodes, "fabric": "", "replica_nodes": [], "shards_running": 0}
+    if m.profile.nodes <= 1:
+        return out
+    out["fabric"] = job_fabric(view.job) if view else ""
+    for r in w.replicas:
+        if r["model"] != name or r["state"] == "failed":
+            continue
+        out["replica_nodes"] += [r["node"], *(s["node"] for s in r["shards"])]
+        out["shards_running"] += sum(1 for s in r["shards"] if s["state"] == "running")
+    return out
 
 
 def nodes_status(w: Watcher) -> list[dict[str, Any]]:

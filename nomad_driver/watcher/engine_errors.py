@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from dataclasses import replace
 
 from nomad_driver.nomad import Nomad, NomadError
+from nomad_driver.spec import redact
 from nomad_driver.watcher import parking
 from nomad_driver.watcher.reconcile import (
     Action,
@@ -73,7 +74,13 @@ class EngineErrors:
                 if line or stderr.strip() or loop.time() + 0.1 >= min(deadline, patience):
                     break
                 await asyncio.sleep(0.1)
-        error = line or park.event_error or "no error recorded"
+        # What is stored, shown in the Consul UI and given to Nomad as the scaling message: an
+        # engine's error quotes what it was given, a source or a token.
+        error = redact(line or park.event_error) or "no error recorded"
+        if park.cause:
+            # A multi-node replica's shard failed: alloc_id/task are that shard's, and the
+            # error says which shard on which node, so nobody reads the leader's log for it.
+            error = f"{park.cause}: {error}"
         self._read[key] = error
         return error
 

@@ -4,10 +4,10 @@ the idle clock and the scaling rules, and the keys of routers gone for an hour r
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 from nomad_driver.consul import Consul, ConsulError, KVEntry
-from nomad_driver.state import INFLIGHT_PREFIX, parse_inflight
+from nomad_driver.state import INFLIGHT_PREFIX, RouterInFlight, parse_inflight
 
 log = logging.getLogger("llmgw.watcher")
 
@@ -26,17 +26,22 @@ def requests_in_flight(
     requests: dict[str, int] = {}
     replicas: dict[str, set[str]] = {}
     grace = least_grace_s
-    for key, entry in kv.items():
-        if not key.startswith(INFLIGHT_PREFIX):
-            continue
-        router = parse_inflight(entry.value)
-        if router is None or not router.live(now):
-            continue
+    for router in _live_routers(kv, now):
         grace = max(grace, router.interval_s)
         for model, n in router.requests.items():
             requests[model] = requests.get(model, 0) + n
             replicas.setdefault(model, set()).update(router.replicas.get(model, ()))
     return requests, replicas, grace
+
+
+def asks(kv: Mapping[str, KVEntry], now: float) -> dict[str, float]:
+    """The latest ask per model over the routers that still refresh their key: what the leader
+    answers with an activation attempt."""
+    latest: dict[str, float] = {}
+    for router in _live_routers(kv, now):
+        for model, at in router.asked.items():
+            latest[model] = max(latest.get(model, 0.0), at)
+    return latest
 
 
 async def forget_gone_routers(consul: Consul, kv: Mapping[str, KVEntry], now: float) -> None:
@@ -53,3 +58,13 @@ async def forget_gone_routers(consul: Consul, kv: Mapping[str, KVEntry], now: fl
         except ConsulError as exc:
             log.warning("event=inflight_cleanup_failed key=%s error=%r", key, str(exc))
             return
+
+
+def _live_routers(kv: Mapping[str, KVEntry], now: float) -> Iterator[RouterInFlight]:
+    """The routers' in-flight records that parse and are still refreshed."""
+    for key, entry in kv.items():
+        if not key.startswith(INFLIGHT_PREFIX):
+            continue
+        router = parse_inflight(entry.value)
+        if router is not None and router.live(now):
+            yield router

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 from nomad_driver.blocking import backoff_delay
 from nomad_driver.consul import Consul, ConsulError
+from nomad_driver.safeload import LoadError, json_loads
 from nomad_driver.state import LEADER_KEY
 
 log = logging.getLogger("llmgw.leader")
@@ -55,11 +56,9 @@ def parse_leader(raw: bytes) -> LeaderInfo | None:
     """Who leads, from the lock's value; None for anything that is not what a watcher writes
     (garbage, a huge or deeply nested value): shown as "no leader known", never a crash of the
     election, which would leave nobody leading."""
-    if len(raw) > MAX_LEADER_VALUE:
-        return None
     try:
-        data = json.loads(raw)
-    except (ValueError, RecursionError):
+        data = json_loads(raw, f"consul:{LEADER_KEY}", max_bytes=MAX_LEADER_VALUE)
+    except LoadError:
         return None
     if not isinstance(data, dict):
         return None
@@ -154,8 +153,8 @@ class Leadership:
                 # Anything else that goes wrong here must not end the election either: a dead
                 # election loop leaves no leader until the watcher is restarted.
                 self._set_leader(False, f"consul unavailable: {exc}")
-                if "invalid session" in str(exc):
-                    self.abandon_session()  # Consul forgot it (a restart): make a new one
+                if isinstance(exc, ConsulError):
+                    await self._forget_session_if_gone()
                 if failures == 0:
                     if isinstance(exc, ConsulError):
                         log.warning("event=consul_unavailable component=leader error=%r", str(exc))
@@ -164,6 +163,23 @@ class Leadership:
                 failures += 1
                 index = 0
                 await asyncio.sleep(backoff_delay(failures, base=0.5, cap=5.0))
+
+    async def _forget_session_if_gone(self) -> None:
+        """After a failed step: if Consul no longer knows our session (its agent restarted, or
+        someone destroyed it), forget it, so the next step makes a new one instead of asking
+        for the lock with a dead one until the renewals notice. Told by the renewal's 404, the
+        one answer Consul gives for a missing session; the failed call's own answer is only a
+        500 whose text says "invalid session", and text is no signal (see `TxnResult`)."""
+        session = self.session
+        if not session:
+            return
+        try:
+            async with asyncio.timeout(max(0.5, self.ttl_s / 3)):
+                alive = await self.consul.session_renew(session)
+        except (ConsulError, TimeoutError):
+            return  # Consul itself is down: nothing learned about the session
+        if not alive and self.session == session:
+            self.session = ""
 
     async def _renew_loop(self) -> None:
         """Renew every third of the TTL, each renewal bounded by what is left of the lease: a

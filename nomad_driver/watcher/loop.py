@@ -15,13 +15,15 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from math import inf
 from typing import Any
 
+from nomad_driver.blocking import Watch
 from nomad_driver.consul import Consul, ConsulError, ConsulUnavailable, KVEntry
 from nomad_driver.nomad import Nomad
-from nomad_driver.placement import PlacementWarnings
+from nomad_driver.placement import FabricRoom, PlacementWarnings, eligible_nodes, fabric_rooms
 from nomad_driver.render import SERVICE_NAME
-from nomad_driver.spec import Model, SpecError, parse_models
+from nomad_driver.spec import Model, SpecError, decode_models_text, parse_models
 from nomad_driver.state import (
     ACTIVITY_PREFIX,
     CONFIG_MODELS_KEY,
@@ -36,7 +38,12 @@ from nomad_driver.watcher.acting import Actor
 from nomad_driver.watcher.engine_errors import EngineErrors
 from nomad_driver.watcher.fenced import FencedStates
 from nomad_driver.watcher.health import Entry, HealthEntries
-from nomad_driver.watcher.in_flight import INFLIGHT_FORGET_AFTER_S, forget_gone_routers, requests_in_flight
+from nomad_driver.watcher.in_flight import (
+    INFLIGHT_FORGET_AFTER_S,
+    asks,
+    forget_gone_routers,
+    requests_in_flight,
+)
 from nomad_driver.watcher.leader import LeaderInfo, Leadership, LeaseLost
 from nomad_driver.watcher.reconcile import (
     DEFAULT_MAX_START_FAILURES,
@@ -47,11 +54,19 @@ from nomad_driver.watcher.reconcile import (
     reconcile,
     retried,
 )
-from nomad_driver.watcher.replicas import entry_alloc_id, entry_model, list_replicas, passing
+from nomad_driver.watcher.replicas import (
+    alloc_index,
+    entry_alloc_id,
+    entry_model,
+    list_replicas,
+    node_fabrics,
+    passing,
+    replica_alloc_id,
+)
+from nomad_driver.watcher.scaling import DEFAULT_STEP_INTERVAL_S, DEFAULT_UP_WINDOW_S, LoadHistory, busy_floor
 from nomad_driver.watcher.watch import (
     JobCache,
     NodeCache,
-    Watch,
     engines_fetch,
     jobs_fetch,
     kv_fetch,
@@ -60,6 +75,23 @@ from nomad_driver.watcher.watch import (
 )
 
 log = logging.getLogger("llmgw.watcher")
+
+
+def _busy_floor(
+    replicas: set[str], allocs_by_id: Mapping[str, Mapping[str, Any]], requests: int, target: int
+) -> int:
+    """The count below which Nomad would stop a replica with requests in flight: Nomad stops
+    the highest allocation index first, so it is one past the highest busy index. A replica
+    the routers name that is not in Nomad's allocations (yet) leaves the rule to the requests:
+    never below what they need at the target."""
+    indexes = []
+    for replica in replicas:
+        alloc = allocs_by_id.get(replica_alloc_id(replica) or "")
+        index = alloc_index(alloc) if alloc is not None else None
+        if index is None:
+            return max(len(replicas), -(-requests // max(1, target)))
+        indexes.append(index)
+    return busy_floor(indexes)
 
 
 class NotLeader(Exception):
@@ -89,6 +121,10 @@ class WatcherConfig:
     # The routers' activity interval (their `activity_interval_s`), the least grace the idle
     # clock gets when no router publishes a longer one.
     activity_interval_s: float = 5.0
+    # Load scaling: in flight is averaged over this window before it asks for replicas, and the
+    # count changes at most once per step interval (`watcher/scaling.py`).
+    scale_up_window_s: float = DEFAULT_UP_WINDOW_S
+    scale_step_interval_s: float = DEFAULT_STEP_INTERVAL_S
 
 
 class Watcher:
@@ -125,17 +161,19 @@ class Watcher:
         self.jobs: Watch[Mapping[str, dict[str, Any]]] = Watch(
             "nomad-jobs", jobs_fetch(nomad, w, JobCache()), on_change=self.wake
         )
-        # With resources: the summary counts a GPU as used from the allocation that holds it.
+        # With resources: the summary counts a GPU as used from the allocation that holds it,
+        # whoever's job it is, and so does a multi-node model's room.
         self.allocs: Watch[tuple[dict[str, Any], ...]] = Watch(
             "nomad-allocations",
-            nomad_list_fetch(nomad, "allocations", w, {"resources": "true"}),
+            nomad_list_fetch(nomad, "allocations", w, {"resources": "true"}, others_holding=True),
             on_change=self.wake,
         )
         self.evals: Watch[tuple[dict[str, Any], ...]] = Watch(
             "nomad-evaluations", nomad_list_fetch(nomad, "evaluations", w), on_change=self.wake
         )
-        # Nodes feed only the admin API and the engine metrics, never a decision, so a change
-        # there does not wake a pass and a failing node watch does not stop the leader acting.
+        # Nodes feed the admin API, the engine metrics and the fabric room of multi-node models
+        # (which wait for a first answer), so a change there does not wake a pass and a
+        # failing node watch does not stop the leader acting.
         self.nodes: Watch[tuple[dict[str, Any], ...]] = Watch(
             "nomad-nodes", nodes_fetch(nomad, w, NodeCache()), on_change=lambda: None
         )
@@ -151,6 +189,13 @@ class Watcher:
         self.views: dict[str, ModelView] = {}
         self.passes = 0
         self._scaled_at: dict[str, tuple[int, float]] = {}
+        # When the watcher saw each job's count change (-inf: not since it started), for the
+        # step rate limit; and the load each model had over the recent passes.
+        self._stepped_at: dict[str, tuple[int, float]] = {}
+        self.load = LoadHistory(self.config.scale_up_window_s)
+        # The last pass that saw requests in flight per model: a request the watcher saw is
+        # activity, whatever (or however poisoned) the router's activity key says after it.
+        self._last_in_flight: dict[str, float] = {}
         # When each running start first appeared in Nomad's allocations (monotonic; -inf for
         # those already there at this watcher's first look), and which allocations snapshot
         # that was read from: a passing check vouches only for a start Consul answered about.
@@ -167,9 +212,7 @@ class Watcher:
         self.engine_errors = EngineErrors(nomad, self.config.stderr_wait_s)
         # States written under the leader's lock, and the actions that write them.
         self.states = FencedStates(consul, self.leadership)
-        self.actor = Actor(
-            nomad, self.leadership, self.states, self.engine_errors, self.nodes, self.allocs, clock
-        )
+        self.actor = Actor(nomad, self.leadership, self.states, self.engine_errors, clock)
 
     # Lifecycle
 
@@ -244,10 +287,9 @@ class Watcher:
                 self._definitions_missing = True
             return
         self._definitions_missing = False
+        origin = f"consul:{CONFIG_MODELS_KEY}"
         try:
-            parsed = parse_models(
-                entry.value.decode("utf-8", errors="replace"), f"consul:{CONFIG_MODELS_KEY}"
-            )
+            parsed = parse_models(decode_models_text(entry.value, origin), origin)
         except SpecError as exc:
             # Keep serving the last good definitions: a typo must not stop every model.
             self.definitions_problem = "; ".join(exc.problems)
@@ -313,6 +355,7 @@ class Watcher:
         healthy = frozenset(passing_starts)
 
         in_flight, busy, grace = requests_in_flight(kv, now, self.config.activity_interval_s)
+        asked = asks(kv, now)
         views: dict[str, ModelView] = {}
         for name, model in self.models.items():
             job = jobs.get(model.job_id)
@@ -322,26 +365,53 @@ class Watcher:
                 # First sight after a start counts as "just scaled", which only delays a
                 # scale-down by one idle timeout; never the other way round.
                 self._scaled_at[model.job_id] = seen = (count, now)
+            stepped = self._stepped_at.get(model.job_id)
+            if stepped is None or stepped[0] != count:
+                self._stepped_at[model.job_id] = stepped = (count, -inf if stepped is None else now)
             state, index, problem = self._state_for(name, kv)
             activity_entry = kv.get(f"{ACTIVITY_PREFIX}{name}")
+            requests = in_flight.get(name, 0)
+            if requests > 0:
+                self._last_in_flight[name] = now
+            activity = parse_activity(activity_entry.value, now) if activity_entry else None
+            seen_busy = self._last_in_flight.get(name)
+            if seen_busy is not None:
+                activity = seen_busy if activity is None else max(activity, seen_busy)
+            load = self.load.observe(name, now, requests, count, model.scale_down_delay_s)
+            model_allocs = allocs_by_job.get(model.job_id, ())
             views[name] = ModelView(
                 model=model,
                 job=job,
-                allocs=tuple(allocs_by_job.get(model.job_id, ())),
+                allocs=tuple(model_allocs),
                 evals=tuple(evals_by_job.get(model.job_id, ())),
                 ready=ready.get(name, 0),
                 healthy_starts=healthy,
                 state=state,
                 state_index=index,
                 state_problem=problem,
-                activity=parse_activity(activity_entry.value, now) if activity_entry else None,
+                activity=activity,
                 scaled_at=seen[1],
                 now=now,
-                in_flight=in_flight.get(name, 0),
+                in_flight=requests,
                 busy_replicas=len(busy.get(name, ())),
+                in_flight_average=load.average,
+                load_held=load.held,
+                busy_floor=_busy_floor(busy.get(name, set()), allocs_by_id, requests, model.target_in_flight),
+                since_step_s=now - stepped[1],
+                step_interval_s=self.config.scale_step_interval_s,
+                asked_at=asked.get(name),
                 activity_grace_s=grace,
+                fabric_rooms=self._fabric_rooms(model),
             )
         return views
+
+    def _fabric_rooms(self, model: Model) -> tuple[FabricRoom, ...] | None:
+        """A multi-node model's room in each fabric, its own replica's nodes counted as free."""
+        if model.profile.nodes <= 1 or self.nodes.snapshot is None or self.allocs.snapshot is None:
+            return None
+        others = [dict(a) for a in self.allocs.snapshot.data if a.get("JobID") != model.job_id]
+        nodes = eligible_nodes(self.nodes.snapshot.data, model.profile)
+        return tuple(fabric_rooms(nodes, others, model.name))
 
     async def _forget_gone_routers(self) -> None:
         now = self.clock()
@@ -395,6 +465,11 @@ class Watcher:
         for name, d in decisions.items():
             decisions[name] = await self.engine_errors.telling(d, views[name])
         self.engine_errors.keep_only(parks)
+        # What the load asked for this pass is what a later, lower load must outlast.
+        for name, d in decisions.items():
+            self.load.record(name, views[name].now, d.recommendation)
+        self.load.keep_only(self.models)
+        self._last_in_flight = {m: t for m, t in self._last_in_flight.items() if m in self.models}
         self.views, self.decisions = views, decisions
         self.replicas = self._build_replicas(views)
         self.passes += 1
@@ -431,6 +506,7 @@ class Watcher:
             self.allocs.snapshot.data if self.allocs.snapshot else (),
             self._replica_since,
             self.clock(),
+            node_fabrics(self.nodes.snapshot.data if self.nodes.snapshot else ()),
         )
         return replicas
 

@@ -1,5 +1,5 @@
-"""The leading watcher's part in multi-node replicas: the job it registers is pinned to one
-fabric, and a replica is scaled as a whole, its leader and its shards together.
+"""Carrying out a multi-node replica's steps on Nomad: it is registered and scaled as a whole,
+its leader and its shards together. Where it goes is decided by `replica_steps`.
 
 A multi-node model runs one replica (its job `llmgw-<name>`) for now: `replicas.max` above 1 is
 refused in the definition until the watcher manages a job per replica.
@@ -7,7 +7,7 @@ refused in the definition until the watcher manages a job per replica.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from nomad_driver.nomad import Nomad
@@ -51,12 +51,29 @@ def pin_to_fabric(
     return fabric
 
 
-def scale_replica(nomad: Nomad, job_id: str, group: str, count: int, message: str, model: Model) -> None:
+def scale_replica(
+    nomad: Nomad,
+    job_id: str,
+    group: str,
+    count: int,
+    message: str,
+    model: Model,
+    *,
+    check_lease: Callable[[str], None],
+) -> list[dict[str, Any]]:
     """Scale the leader group and, for a multi-node model, its shards with it: parking or
-    idling a replica must free every node it holds, not only the leader's."""
+    idling a replica must free every node it holds, not only the leader's.
+
+    `check_lease` runs right before each Nomad call (it raises when this watcher may no longer
+    lead): the first call can take long enough for the lease to run out, and a deposed leader's
+    shard scale would undo what the new leader just decided. Returns Nomad's answers (each
+    with the `EvalID` of the evaluation it made)."""
     if model.profile.nodes > 1:
         on = 1 if count > 0 else 0
-        nomad.scale(job_id, group, on, message)
-        nomad.scale(job_id, SHARD_GROUP, on * (model.profile.nodes - 1), message)
-        return
-    nomad.scale(job_id, group, count, message)
+        check_lease(f"scaling {job_id} group {group} to {on}")
+        leader = nomad.scale(job_id, group, on, message)
+        shards = on * (model.profile.nodes - 1)
+        check_lease(f"scaling {job_id} group {SHARD_GROUP} to {shards}")
+        return [leader, nomad.scale(job_id, SHARD_GROUP, shards, message)]
+    check_lease(f"scaling {job_id} group {group} to {count}")
+    return [nomad.scale(job_id, group, count, message)]

@@ -11,11 +11,12 @@ A start is named by its allocation and the time of its `Started` event, never by
 in the task's events: Nomad keeps only the newest ten events per task, so positions shift. It
 also forgets whole allocations (garbage collection), and nothing in Nomad says which start was
 ever healthy. So the count is kept as a `Ledger` in the model's state: the failures already
-counted up to a named start, and the baseline before which nothing counts (the newest healthy
-start, the last retry, the moment the definition changed). `count_start_failures` is a pure
-function of Nomad's allocations now, the starts whose check passes now and that ledger, so any
-watcher, started at any moment, reaches the same count. Start times are only ever compared with
-each other, all from Nomad's clock.
+counted up to a named start, the failures counted after a start still loading (named one by
+one, since that start's outcome is not known yet), and the baseline before which nothing
+counts (the newest healthy start, the last retry, the moment the definition changed).
+`count_start_failures` is a pure function of Nomad's allocations now, the starts whose check
+passes now and that ledger, so any watcher, started at any moment, reaches the same count.
+Start times are only ever compared with each other, all from Nomad's clock.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from nomad_driver.fields import as_int
+from nomad_driver.spec import redact
 
 # Attempts that fail before the engine ever runs; each is one failed start.
 _FAILED_BEFORE_START = {
@@ -37,6 +39,12 @@ _FAILED_BEFORE_START = {
 }
 # After one of these, the exit that follows was asked for (scale-down, stop), not a failure.
 _STOP_REQUESTED = {"Killing", "Killed"}
+# A restart asked for: a template re-rendered with change_mode restart (a multi-node leader on
+# every change of its shard set, every bring-up included) or an operator's `nomad alloc
+# restart`. Nomad gives check_restart's restarts the same type; their reason says so, and those
+# are failures.
+_RESTART_SIGNALED = "Restart Signaled"
+_FAILED_CHECK_RESTART = "healthcheck:"
 # Allocations whose open start may still turn healthy or fail; in any other status it is over.
 _LIVE_CLIENT = {"pending", "running"}
 
@@ -54,6 +62,7 @@ class Start:
     ended: bool  # over: exited, never started, or its allocation is no longer live
     failed: bool  # ended without being asked to and was never healthy
     error: str  # what Nomad's events said, e.g. "Exit Code: 1"
+    ended_ns: int = 0  # when it ended, as far as Nomad's events say; 0 while it runs
 
     @property
     def ident(self) -> StartId:
@@ -67,14 +76,18 @@ class Ledger:
     `after_ns`: starts at or before this time never count (the newest healthy start, the last
     retry, when the current definition reached Nomad). `through`: the newest start whose outcome
     is already in `counted`; starts at or before it are not counted again, and still count when
-    Nomad no longer lists them. `job_version`: the first job version that ran the current
-    definition; allocations of older versions ran an older one and never count (-1: the
-    definition has not reached Nomad yet, so nothing counts)."""
+    Nomad no longer lists them. `later`: the failures after `through` that were counted while
+    an earlier start was still loading, so `through` could not move past them; each still counts
+    when Nomad forgets it, unless that loading start turns out healthy before it. `job_version`:
+    the first job version that ran the current definition; allocations of older versions ran an
+    older one and never count (-1: the definition has not reached Nomad yet, so nothing counts).
+    """
 
     after_ns: int = 0
     through: StartId | None = None
     counted: int = 0
     job_version: int = 0
+    later: tuple[StartId, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -105,14 +118,16 @@ def starts_of(alloc: Mapping[str, Any]) -> list[Start]:
             t = as_int(ev.get("Time"))
             if kind == "Started":
                 current = {"time": t, "stopping": False}
-            elif kind in _STOP_REQUESTED and current is not None:
+            elif current is not None and _asked_to_stop(ev):
                 current["stopping"] = True
             elif kind == "Terminated" and current is not None:
                 failed = not current["stopping"]
-                out.append(Start(alloc_id, str(task), current["time"], version, True, failed, event_text(ev)))
+                out.append(
+                    Start(alloc_id, str(task), current["time"], version, True, failed, event_text(ev), t)
+                )
                 current = None
             elif kind in _FAILED_BEFORE_START and current is None:
-                out.append(Start(alloc_id, str(task), t, version, True, True, event_text(ev)))
+                out.append(Start(alloc_id, str(task), t, version, True, True, event_text(ev), t))
         if current is not None:
             if live:
                 out.append(Start(alloc_id, str(task), current["time"], version, False, False, ""))
@@ -120,41 +135,78 @@ def starts_of(alloc: Mapping[str, Any]) -> list[Start]:
                 # Its allocation is over but the exit fell off the event list (or never came,
                 # a lost node): a failed allocation is a failed start, anything else was stopped.
                 failed = alloc_failed and not current["stopping"]
-                error = str(alloc.get("ClientDescription") or "allocation failed") if failed else ""
-                out.append(Start(alloc_id, str(task), current["time"], version, True, failed, error))
+                error = redact(str(alloc.get("ClientDescription") or "allocation failed")) if failed else ""
+                ended = max(as_int(alloc.get("ModifyTime")), current["time"])
+                out.append(Start(alloc_id, str(task), current["time"], version, True, failed, error, ended))
     return out
+
+
+def _asked_to_stop(ev: Mapping[str, Any]) -> bool:
+    kind = ev.get("Type")
+    if kind == _RESTART_SIGNALED:
+        return not str(ev.get("RestartReason") or "").startswith(_FAILED_CHECK_RESTART)
+    return kind in _STOP_REQUESTED
+
+
+# Failures remembered one by one behind a start still loading, by default; the watcher passes
+# twice its parking threshold. More are never needed: that many failures park the model now.
+DEFAULT_REMEMBERED = 10
 
 
 def count_start_failures(
     allocs: Iterable[Mapping[str, Any]],
     healthy: frozenset[StartId],
     ledger: Ledger = Ledger(),
+    *,
+    remember: int = DEFAULT_REMEMBERED,
 ) -> FailureCount:
     """Consecutive failed starts: the ledger's count, plus the failures Nomad shows after it.
 
     `healthy` are the starts whose check passes now. Starts are taken in order of their
     `Started` time. A healthy start resets the count and becomes the new baseline. A start
-    still loading decides nothing yet: failures after it are counted, but the ledger moves only
-    over starts whose outcome is known, so that start is still counted when it ends."""
+    still loading decides nothing yet: failures after it are counted, and the ledger names them
+    in `later` (up to `remember` of them), because `through` moves only over starts whose
+    outcome is known, so that start is still counted when it ends."""
     starts: list[Start] = []
     for alloc in allocs:
         starts.extend(starts_of(alloc))
-    starts.sort(key=lambda s: (s.time_ns, s.alloc_id, s.task))
-    newest = max((s.time_ns for s in starts), default=0)
+    return count_starts(starts, healthy, ledger, remember=remember)
+
+
+def count_starts(
+    starts: Iterable[Start],
+    healthy: frozenset[StartId],
+    ledger: Ledger = Ledger(),
+    *,
+    remember: int = DEFAULT_REMEMBERED,
+) -> FailureCount:
+    """`count_start_failures` over starts already read: a multi-node replica's starts are its
+    leader's, each failed too when one of its shards failed during it (`watcher.replica_starts`)."""
+    starts = list(starts)
+    shown = {s.ident for s in starts}
+    # Failures counted behind a loading start that Nomad no longer lists still count; with no
+    # events left, their error is unknown, and the newest error Nomad still shows is kept.
+    remembered = [
+        Start(alloc_id, "", time_ns, ledger.job_version, True, True, "")
+        for time_ns, alloc_id in ledger.later
+        if (time_ns, alloc_id) not in shown
+    ]
+    newest = max((s.time_ns for s in [*starts, *remembered]), default=0)
     if ledger.job_version < 0:
         return FailureCount(ledger.counted, None, ledger, newest)
     count = ledger.counted
     last: Start | None = None
-    kept = ledger
+    kept = replace(ledger, later=())
+    later: list[StartId] = []
     skip_through = ledger.through
     undecided = False
-    for s in starts:
+    for s in sorted([*starts, *remembered], key=lambda s: (s.time_ns, s.alloc_id, s.task)):
         if s.time_ns <= ledger.after_ns or s.job_version < ledger.job_version:
             continue
         if s.ident in healthy:
             # Everything before a healthy start is moot, loading or not, counted or not; what
             # came after it is counted afresh.
-            count, last, undecided, skip_through = 0, None, False, None
+            count, last, undecided, skip_through, later = 0, None, False, None, []
             kept = replace(kept, after_ns=s.time_ns, through=s.ident, counted=0)
         elif skip_through is not None and s.ident <= skip_through:
             continue
@@ -162,16 +214,24 @@ def count_start_failures(
             undecided = True
         elif s.failed:
             count += 1
-            last = s
+            if s.ident in shown:
+                last = s
             if not undecided:
                 kept = replace(kept, through=s.ident, counted=count)
+            elif len(later) < remember:
+                later.append(s.ident)
         elif not undecided:
             kept = replace(kept, through=s.ident)
-    return FailureCount(count, last, kept, newest)
+    return FailureCount(count, last, replace(kept, later=tuple(later)), newest)
 
 
 def event_text(ev: Mapping[str, Any]) -> str:
-    """The event as Nomad's CLI shows it: its display message, else the detail that says most."""
+    """The event as Nomad's CLI shows it: its display message, else the detail that says most;
+    redacted, since a download error quotes the source and this becomes the stored last error."""
+    return redact(_event_text(ev))
+
+
+def _event_text(ev: Mapping[str, Any]) -> str:
     raw = ev.get("Details")
     details: Mapping[str, Any] = raw if isinstance(raw, dict) else {}
     kind = str(ev.get("Type", "unknown event"))
@@ -204,7 +264,9 @@ _MAX_ERROR_CHARS = 300
 
 
 def telling_line(stderr_tail: str) -> str:
-    """The line of an engine's stderr that says why it died, or '' when none does."""
+    """The line of an engine's stderr that says why it died, or '' when none does; redacted
+    before it is cut short, so that no copy of the last error (KV, the Consul UI's check, the
+    scaling event in Nomad) holds a credential the engine quoted, nor the start of one."""
     lines = [ln.strip() for ln in stderr_tail.splitlines() if ln.strip()]
     for pattern in _TELLING:
         # The last matching line: the most recent attempt's words, not an earlier warning's.
@@ -213,7 +275,7 @@ def telling_line(stderr_tail: str) -> str:
                 text = _LOG_PREFIX.sub("", line)
                 # `llama_model_load: error loading model: ...` -> drop the C function's name.
                 text = re.sub(r"^[a-z_][a-z0-9_]*:\s+(?=error)", "", text)
-                return text[:_MAX_ERROR_CHARS]
+                return redact(text)[:_MAX_ERROR_CHARS]
     return ""
 
 

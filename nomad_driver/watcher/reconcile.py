@@ -13,11 +13,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from nomad_driver.placement import latest_placement_failure
+from nomad_driver.placement import FabricRoom, PlacementFailure, job_fabric, latest_placement_failure
 from nomad_driver.render import SHARD_GROUP
 from nomad_driver.spec import Model
-from nomad_driver.state import ModelState
-from nomad_driver.watcher.parking import Ledger, StartId, count_start_failures
+from nomad_driver.state import CountedStart, ModelState
+from nomad_driver.watcher.parking import FailureCount, Ledger, StartId, count_start_failures, count_starts
+from nomad_driver.watcher.replica_starts import ReplicaStarts, replica_starts, stuck_start
+from nomad_driver.watcher.replica_steps import ReplicaStep, replica_step
+from nomad_driver.watcher.scaling import DEFAULT_STEP_INTERVAL_S, Desired, ScaleInputs, decide
 
 DEFAULT_MAX_START_FAILURES = 5
 HealthStatus = Literal["passing", "warning", "critical"]
@@ -47,14 +50,30 @@ class ModelView:
     # they are on (`llmgw/inflight/`).
     in_flight: int = 0
     busy_replicas: int = 0
+    # Load scaling (`scaling.LoadHistory`): in flight averaged over the up window, the highest
+    # recommendation of the scale-down delay, and the count that keeps every busy allocation
+    # (from the replicas the routers name). None: no history (a hand-built view), which holds
+    # the count for a scale-down delay after it was first seen, as a watcher's first sight does.
+    in_flight_average: float | None = None
+    load_held: int | None = None
+    busy_floor: int | None = None
+    # Since the job's count last changed, for the step rate limit (inf: not seen changing).
+    since_step_s: float = float("inf")
+    step_interval_s: float = DEFAULT_STEP_INTERVAL_S
+    # The latest ask of any router for this model (Unix time, the router's clock), or None.
+    asked_at: float | None = None
     # How late the routers' activity can reach the watcher: their publishing interval.
     activity_grace_s: float = 0.0
+    # A multi-node model's fabrics as the pass measured them, without its own allocations (the
+    # nodes its replica holds are its room); None until the nodes are read, or for one node.
+    fabric_rooms: tuple[FabricRoom, ...] | None = None
 
 
 @dataclass(frozen=True)
 class RegisterJob:
     model: str
     count: int
+    fabric: str = ""  # a multi-node model's job is pinned to this fabric
 
 
 @dataclass(frozen=True)
@@ -63,6 +82,20 @@ class Scale:
     job_id: str
     group: str
     count: int
+    message: str
+    reason: str = ""  # scaling.Reason, for the log line
+
+
+@dataclass(frozen=True)
+class Activate:
+    """Answer a router's ask: scale (to the same count too, so Nomad evaluates afresh), read
+    the evaluation at once, and record the attempt in the state for the waiting requests."""
+
+    model: str
+    job_id: str
+    group: str
+    count: int
+    asked: float
     message: str
 
 
@@ -80,6 +113,9 @@ class Park:
     event_error: str
     state: ModelState  # to write with last_error filled in
     cas: int
+    # Who failed, when it was not the engine named by alloc_id/task itself: a multi-node
+    # replica's shard (`shard 1a2b3c4d on node ib-a-1`), whose stderr alloc_id/task then name.
+    cause: str = ""
 
 
 @dataclass(frozen=True)
@@ -89,9 +125,9 @@ class WriteState:
     cas: int
 
 
-Action = RegisterJob | Scale | Park | WriteState
+Action = RegisterJob | Scale | Activate | Park | WriteState
 # The actions that call Nomad, whose refusals become the model's `last_action_error`.
-NomadAction = (RegisterJob, Scale, Park)
+NomadAction = (RegisterJob, Scale, Activate, Park)
 
 
 @dataclass(frozen=True)
@@ -104,6 +140,10 @@ class Decision:
     health: HealthStatus
     health_output: str
     actions: tuple[Action, ...] = field(default=())
+    # Why desired is what it is (`scaling.Reason`) and the line people read for it.
+    desired_reason: str = "min"
+    desired_detail: str = ""
+    recommendation: int = 0
 
 
 def job_group(job: Mapping[str, Any] | None) -> tuple[str, int]:
@@ -160,6 +200,9 @@ def job_is_current(job: Mapping[str, Any] | None, model: Model) -> bool:
         job_def_hash(job) == model.def_hash
         and job_scaling_max(job) == model.replicas_max
         and not job_makes_deployments(job)
+        # A multi-node job that is not pinned (registered by `llmgw apply`, or by an llmgw
+        # before pinning was sure) could put one replica's shards in two fabrics.
+        and (model.profile.nodes <= 1 or bool(job_fabric(job)))
     )
 
 
@@ -191,7 +234,8 @@ def job_conflict(job: Mapping[str, Any] | None, model: Model) -> str:
 
 def ledger_of(state: ModelState) -> Ledger:
     through = (state.counted_through_ns, state.counted_through_alloc) if state.counted_through_alloc else None
-    return Ledger(state.failures_after_ns, through, state.counted_failures, state.count_job_version)
+    later = tuple((c.started_ns, c.alloc) for c in state.counted_later)
+    return Ledger(state.failures_after_ns, through, state.counted_failures, state.count_job_version, later)
 
 
 def with_ledger(state: ModelState, ledger: Ledger) -> ModelState:
@@ -203,6 +247,7 @@ def with_ledger(state: ModelState, ledger: Ledger) -> ModelState:
             "counted_through_ns": through_ns,
             "counted_failures": ledger.counted,
             "count_job_version": ledger.job_version,
+            "counted_later": [CountedStart(alloc=alloc, started_ns=ns) for ns, alloc in ledger.later],
         }
     )
 
@@ -251,40 +296,74 @@ def same_state(a: ModelState, b: ModelState) -> bool:
     return a.model_dump(exclude={"updated_at"}) == b.model_dump(exclude={"updated_at"})
 
 
-def desired_replicas(view: ModelView, count: int) -> int:
-    """Its minimum, or more while it is asked for: a request in flight, or one that ended
-    within idle_timeout, keeps an on-demand model at 1 and keeps the count a router scaled to;
-    after that, back to the minimum. Never fewer than the replicas that have requests in flight,
-    so a long stream is not cut by its own replica being stopped."""
+def asked_for(view: ModelView) -> bool:
+    """A request in flight, or one that ended within idle_timeout (plus the routers' publishing
+    interval, for a request that began after their last write)."""
     m = view.model
-    # The idle clock runs from the end of the last request, as the routers last published it;
-    # the grace covers a request that began after their last write.
-    asked = view.in_flight > 0 or (
+    return view.in_flight > 0 or (
         view.activity is not None and view.now - view.activity < m.idle_timeout_s + view.activity_grace_s
     )
-    # A router scales up before its request finishes and writes activity; the count it chose
-    # counts as asked-for from when the watcher first saw it, so it is not undone at once.
-    just_scaled = view.scaled_at is not None and view.now - view.scaled_at < m.idle_timeout_s
-    want = m.replicas_min
-    if asked:
-        want = max(want, 1)
-    if count > want and (asked or just_scaled):
-        want = count
-    want = max(want, min(view.busy_replicas, count))
-    return max(0, min(want, m.replicas_max))
+
+
+def desired_for(view: ModelView, count: int, starting: int = 0, parked: bool = False) -> Desired:
+    """What the model should have now, and why (`scaling.decide` over this view)."""
+    m = view.model
+    # With no load history (a hand-built view), a count the watcher has just seen is held for
+    # the scale-down delay, as a watcher's first sight of it is (`LoadHistory`).
+    held = view.load_held
+    if held is None:
+        fresh = view.scaled_at is not None and view.now - view.scaled_at < m.scale_down_delay_s
+        held = count if fresh else 0
+    busy = view.busy_floor
+    if busy is None:
+        busy = max(view.busy_replicas, -(-view.in_flight // max(1, m.target_in_flight)))
+    return decide(
+        ScaleInputs(
+            replicas_min=m.replicas_min,
+            replicas_max=m.replicas_max,
+            target_in_flight=m.target_in_flight,
+            scale_down_delay_s=m.scale_down_delay_s,
+            count=count,
+            in_flight=view.in_flight,
+            average=float(view.in_flight if view.in_flight_average is None else view.in_flight_average),
+            held=held,
+            # Not "just scaled": the watcher itself raised the count, for an ask whose request
+            # is in flight while it waits, and a placed one writes its activity at once; a
+            # refused one must not hold the count up for a client that was told no.
+            asked=asked_for(view),
+            busy_floor=busy,
+            starting=starting,
+            parked=parked,
+            since_step_s=view.since_step_s,
+            step_interval_s=view.step_interval_s,
+        )
+    )
+
+
+def desired_replicas(view: ModelView, count: int) -> int:
+    """The count alone (see `desired_for`)."""
+    return desired_for(view, count).count
 
 
 def replica_view(view: ModelView) -> ModelView:
-    """A multi-node replica counts as one start, whichever shard failed: its leader cannot run
-    without every shard (llama-server aborts when one goes), so the leader's starts are the
-    replica's starts, and the shards' allocations are left out of the count."""
+    """A multi-node model's view with its leaders' allocations only: a replica is one leader,
+    so `starting` counts replicas, not processes (its starts are counted by `replica_starts`)."""
     if view.model.profile.nodes <= 1:
         return view
     leaders = tuple(a for a in view.allocs if a.get("TaskGroup") != SHARD_GROUP)
     return dataclasses.replace(view, allocs=leaders)
 
 
+def _count(view: ModelView, replica: ReplicaStarts | None, ledger: Ledger, *, remember: int) -> FailureCount:
+    if replica is None:
+        return count_start_failures(view.allocs, view.healthy_starts, ledger, remember=remember)
+    return count_starts(replica.starts, view.healthy_starts, ledger, remember=remember)
+
+
 def reconcile(view: ModelView, max_start_failures: int = DEFAULT_MAX_START_FAILURES) -> Decision:
+    multinode = view.model.profile.nodes > 1
+    replica = replica_starts(view.allocs) if multinode else None
+    all_allocs = view.allocs
     view = replica_view(view)
     m = view.model
     stored = view.state or ModelState()
@@ -297,7 +376,7 @@ def reconcile(view: ModelView, max_start_failures: int = DEFAULT_MAX_START_FAILU
         return _conflicted(view, state.model_copy(update={"job_conflict": conflict}))
     state = counted_definition(view, state.model_copy(update={"job_conflict": ""}))
 
-    failures = count_start_failures(view.allocs, view.healthy_starts, ledger_of(state))
+    failures = _count(view, replica, ledger_of(state), remember=2 * max_start_failures)
     if not state.parked:
         error = state.last_error
         if failures.consecutive == 0:
@@ -320,39 +399,64 @@ def reconcile(view: ModelView, max_start_failures: int = DEFAULT_MAX_START_FAILU
             }
         )
 
-    desired = 0 if state.parked else desired_replicas(view, count)
-
-    if view.job is None or not job_is_current(view.job, m):
+    live = sum(
+        1 for a in view.allocs if a.get("DesiredStatus") == "run" and a.get("ClientStatus") in _LIVE_CLIENT
+    )
+    starting = max(0, live - view.ready)
+    wanted = desired_for(view, count, starting, parked=state.parked)
+    desired = wanted.count
+    why = _scale_message(m, state, count, desired, wanted)
+    step: ReplicaStep | None = None
+    current = view.job is not None and job_is_current(view.job, m)
+    if multinode:
+        step = _replica_step(view, all_allocs, replica, state, desired, current, why)
+        state = state.model_copy(
+            update={"fabrics_tried": list(step.fabrics_tried), "replica_restarted": step.replica_restarted}
+        )
+        if step.register_fabric:
+            actions.append(RegisterJob(m.name, step.register_count, step.register_fabric))
+        elif step.scale_to is not None and not park_now:
+            actions.append(Scale(m.name, m.job_id, group, step.scale_to, step.scale_message))
+    elif not current:
         actions.append(RegisterJob(m.name, desired))
-    elif count != desired and not park_now and not view.job.get("Stop"):
-        if state.parked:
-            why = f"llmgw: {m.name} is parked; not placing it again until its definition changes or a retry"
-        elif count > desired:
-            why = f"llmgw: {m.name} idle for {int(m.idle_timeout_s)}s, scaling down to {desired}"
-        else:
-            why = f"llmgw: {m.name} should have {desired} replicas"
-        actions.append(Scale(m.name, m.job_id, group, desired, why))
+    elif count != desired and not park_now and view.job is not None and not view.job.get("Stop"):
+        actions.append(Scale(m.name, m.job_id, group, desired, why, wanted.reason))
+
+    ask = _unanswered_ask(view, state)
+    if ask is not None and current and not park_now and view.job is not None and not view.job.get("Stop"):
+        # The router's 0 -> 1 goes through the same rule: the count is what the rule says,
+        # at least 1, and the call is made even at the same count, for a fresh evaluation.
+        target = min(max(desired, 1), m.replicas_max)
+        message = f"llmgw: a request for {m.name} found no ready replica; asking for {target}"
+        actions = [a for a in actions if not isinstance(a, Scale)]
+        actions.append(Activate(m.name, m.job_id, group, target, ask, message))
 
     # Placement: only while something is meant to run and the job is the current definition.
     failure = None
-    if (
-        not state.parked
-        and max(count, desired) > 0
-        and view.job is not None
-        and job_def_hash(view.job) == m.def_hash
-    ):
-        failure = latest_placement_failure(view.evals, dict(view.job))
+    if not state.parked and max(count, desired) > 0:
+        failure = _latest_failure(view)
+    if step is not None and step.no_fabric and desired > 0 and not state.parked:
+        # No fabric has room: that is the reason, whatever Nomad said of the fabric it was
+        # pinned to before.
+        failure = PlacementFailure(eval_id="", reason=step.no_fabric)
+    # Short, not unplaceable: Nomad cannot place more, but the minimum runs and serves, so
+    # requests must not be refused for it; the scale-up stays asked and Nomad's blocked
+    # evaluation places it when room frees.
+    short = failure is not None and count > max(m.replicas_min, 1) and live >= max(m.replicas_min, 1)
     state = state.model_copy(
         update={
-            "unplaceable": failure is not None,
-            "placement_reason": failure.reason if failure else "",
+            "unplaceable": failure is not None and not short,
+            "placement_reason": failure.reason if failure and not short else "",
             "placement_eval": failure.eval_id if failure else "",
+            "short": short,
+            "short_reason": failure.reason if failure and short else "",
         }
     )
 
     if park_now and view.job is not None:
         # Park writes the state itself, after reading the engine's stderr for the real error.
         last = failures.last_failed
+        shard = replica.causes.get(last.ident) if replica is not None and last is not None else None
         actions.insert(
             0,
             Park(
@@ -360,40 +464,124 @@ def reconcile(view: ModelView, max_start_failures: int = DEFAULT_MAX_START_FAILU
                 m.job_id,
                 group,
                 failures.consecutive,
-                last.alloc_id if last else "",
-                last.task if last else "",
-                last.error if last else "",
+                shard.alloc_id if shard else last.alloc_id if last else "",
+                shard.task if shard else last.task if last else "",
+                shard.error if shard else last.error if last else "",
                 state,
                 view.state_index,
+                cause=shard.shard if shard else "",
             ),
         )
     elif view.state_problem or not same_state(state, stored):
         actions.append(WriteState(m.name, state, view.state_index))
 
-    live = sum(
-        1 for a in view.allocs if a.get("DesiredStatus") == "run" and a.get("ClientStatus") in _LIVE_CLIENT
+    health, output = model_health(m.name, state, desired, view.ready, starting, wanted.detail)
+    return Decision(
+        m.name,
+        desired,
+        view.ready,
+        starting,
+        state,
+        health,
+        output,
+        tuple(actions),
+        desired_reason=wanted.reason,
+        desired_detail=wanted.detail,
+        recommendation=wanted.recommendation,
     )
-    starting = max(0, live - view.ready)
-    health, output = model_health(m.name, state, desired, view.ready, starting)
-    return Decision(m.name, desired, view.ready, starting, state, health, output, tuple(actions))
+
+
+def _scale_message(m: Model, state: ModelState, count: int, desired: int, wanted: Desired) -> str:
+    """The scaling event's message in Nomad: the reason, so `nomad job scaling-events` says why."""
+    if state.parked:
+        return f"llmgw: {m.name} is parked; not placing it again until its definition changes or a retry"
+    if wanted.reason == "idle":
+        if state.attempt is not None and state.attempt.result == "unplaceable":
+            # Nomad's blocked evaluation would start it later for a client that was told no.
+            return f"llmgw: undo the activation of {m.name}: Nomad could not place it"
+        return f"llmgw: {m.name} idle for {int(m.idle_timeout_s)}s, scaling down to {desired}"
+    return f"llmgw: {m.name} should have {desired} replicas ({wanted.detail})"
+
+
+def _unanswered_ask(view: ModelView, state: ModelState) -> float | None:
+    """The routers' latest ask when the leader has not answered it yet (parked models are
+    answered by their state: routers refuse them as parked)."""
+    if view.asked_at is None or state.parked:
+        return None
+    if state.attempt is not None and state.attempt.asked >= view.asked_at:
+        return None
+    return view.asked_at
+
+
+def _latest_failure(view: ModelView) -> PlacementFailure | None:
+    """Nomad's newest failed placement of the current definition's job, whatever its count."""
+    if view.job is None or job_def_hash(view.job) != view.model.def_hash:
+        return None
+    return latest_placement_failure(view.evals, dict(view.job))
+
+
+def _replica_step(
+    view: ModelView,
+    allocs: tuple[Mapping[str, Any], ...],
+    replica: ReplicaStarts | None,
+    state: ModelState,
+    desired: int,
+    current: bool,
+    why: str,
+) -> ReplicaStep:
+    stuck = stuck_start(allocs, replica) if replica is not None else None
+    # A start already forgiven (healthy once, or before a retry) restarts nothing.
+    if stuck is not None and stuck[0][0] <= state.failures_after_ns:
+        stuck = None
+    return replica_step(
+        view.model,
+        view.job,
+        current=current,
+        rooms=view.fabric_rooms,
+        latest_failure=_latest_failure(view),
+        desired=desired,
+        ready=view.ready,
+        state=state,
+        stuck=stuck,
+        scale_why=why,
+    )
 
 
 def _conflicted(view: ModelView, state: ModelState) -> Decision:
     """Someone else's job holds the model's job ID: nothing is registered, scaled or counted
     (its allocations are not this model's starts); the model shows why, critical."""
     m = view.model
-    desired = 0 if state.parked else desired_replicas(view, 0)
+    wanted = desired_for(view, 0, parked=state.parked)
     actions: tuple[Action, ...] = ()
     if view.state_problem or not same_state(state, view.state or ModelState()):
         actions = (WriteState(m.name, state, view.state_index),)
-    health, output = model_health(m.name, state, desired, view.ready, 0)
-    return Decision(m.name, desired, view.ready, 0, state, health, output, actions)
+    health, output = model_health(m.name, state, wanted.count, view.ready, 0)
+    return Decision(
+        m.name,
+        wanted.count,
+        view.ready,
+        0,
+        state,
+        health,
+        output,
+        actions,
+        desired_reason=wanted.reason,
+        desired_detail=wanted.detail,
+    )
 
 
 def model_health(
+    model: str, state: ModelState, desired: int, ready: int, starting: int, why: str = ""
+) -> tuple[HealthStatus, str]:
+    """The status and text of the model's entry in the Consul UI: why, in one line; `why` is
+    why it should have `desired` (`load: 37 in flight / 8 per replica`)."""
+    status, text = _health(model, state, desired, ready, starting)
+    return status, f"{text} ({why})" if why and not state.parked and not state.job_conflict else text
+
+
+def _health(
     model: str, state: ModelState, desired: int, ready: int, starting: int
 ) -> tuple[HealthStatus, str]:
-    """The status and text of the model's entry in the Consul UI: why, in one line."""
     if state.job_conflict:
         return "critical", state.job_conflict
     if state.parked:
@@ -411,6 +599,12 @@ def model_health(
         )
     if state.unplaceable:
         return "critical", f"unplaceable: {state.placement_reason}"
+    if state.short:
+        # The minimum serves: a warning, not an outage.
+        return (
+            "warning",
+            f"short: {ready} of {desired} replicas ready, Nomad cannot place more: {state.short_reason}",
+        )
     if desired > 0 and ready == 0 and starting == 0:
         return "critical", f"nothing ready: 0 of {desired} replicas"
     if ready >= desired:

@@ -8,7 +8,9 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from nomad_driver.node_meta import FABRIC_KEY
 from nomad_driver.watcher.reconcile import ModelView
+from nomad_driver.watcher.replica_starts import is_shard
 
 _ALLOC_ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 
@@ -43,6 +45,23 @@ def entry_alloc_id(entry: Mapping[str, Any]) -> str | None:
     return found.group(0) if found else None
 
 
+def replica_alloc_id(service_id: str) -> str | None:
+    """The allocation in a replica's Consul service ID (`_nomad-task-<alloc>-...`), as routers
+    name the replicas their requests are on."""
+    found = _ALLOC_ID.search(service_id)
+    return found.group(0) if found else None
+
+
+_NAME_INDEX = re.compile(r"\[(\d+)\]$")
+
+
+def alloc_index(alloc: Mapping[str, Any]) -> int | None:
+    """The index in an allocation's name (`llmgw-m.engine[2]` is 2), the order Nomad stops them
+    in when scaling down (highest first)."""
+    found = _NAME_INDEX.search(str(alloc.get("Name", "")))
+    return int(found.group(1)) if found else None
+
+
 def alloc_time(alloc: Mapping[str, Any], state: str) -> float | None:
     """When Nomad says the allocation entered `state`: its engine's last start, or for a failed
     one its last change. Unix seconds."""
@@ -60,16 +79,71 @@ def alloc_time(alloc: Mapping[str, Any], state: str) -> float | None:
     return stamp / 1e9 if isinstance(stamp, int) and stamp > 0 else None
 
 
+def node_fabrics(nodes: Iterable[Mapping[str, Any]]) -> dict[str, str]:
+    """Node ID -> the fabric its meta names (`llmgw_fabric`)."""
+    out = {}
+    for node in nodes:
+        meta = node.get("Meta")
+        if isinstance(meta, Mapping) and meta.get(FABRIC_KEY):
+            out[str(node.get("ID", ""))] = str(meta[FABRIC_KEY])
+    return out
+
+
+def shard_state(alloc: Mapping[str, Any]) -> str | None:
+    """A shard as its allocation stands: running, starting, or failed and not replaced; None
+    for one that is over (stopped, or replaced by another)."""
+    if alloc.get("DesiredStatus") != "run":
+        return None
+    client = alloc.get("ClientStatus")
+    if client == "running":
+        return "running"
+    if client == "pending":
+        return "starting"
+    if client == "failed" and not alloc.get("NextAllocation"):
+        return "failed"
+    return None
+
+
+def replica_shards(
+    allocs: Iterable[Mapping[str, Any]], fabrics: Mapping[str, str]
+) -> dict[str, list[dict[str, Any]]]:
+    """Job ID -> the shards of its replica (a multi-node model runs one replica per job), as
+    listed beside their leader: allocation, node, its fabric, state."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for a in allocs:
+        state = shard_state(a) if is_shard(a) else None
+        if state is None:
+            continue
+        node_id = str(a.get("NodeID") or "")
+        out.setdefault(str(a.get("JobID")), []).append(
+            {
+                "alloc_id": str(a.get("ID", "")),
+                "node": str(a.get("NodeName") or ""),
+                "node_id": node_id,
+                "fabric": fabrics.get(node_id, ""),
+                "state": state,
+            }
+        )
+    for shards in out.values():
+        shards.sort(key=lambda s: (s["node"], s["alloc_id"]))
+    return out
+
+
 def list_replicas(
     views: Mapping[str, ModelView],
     engines: Iterable[Mapping[str, Any]],
     allocs: Iterable[Mapping[str, Any]],
     previous: Since,
     now: float,
+    fabrics: Mapping[str, str] | None = None,
 ) -> tuple[list[dict[str, Any]], Since]:
     """Every replica of every defined model: placed and live (ready or starting), or failed
     and waiting for Nomad to restart or replace it; and since when each is in its state, to
-    pass back in next time."""
+    pass back in next time. A multi-node replica is one row, its leader's, with its shards
+    (`shards`) and its fabric; `fabrics` maps node IDs to their `llmgw_fabric`."""
+    fabrics = fabrics or {}
+    allocs = list(allocs)
+    shards_of = replica_shards(allocs, fabrics)
     by_job = {v.model.job_id: name for name, v in views.items()}
     passing_by_alloc: dict[str, Mapping[str, Any]] = {}
     for entry in engines:
@@ -81,7 +155,7 @@ def list_replicas(
     for a in allocs:
         model = by_job.get(str(a.get("JobID")))
         alloc_id = str(a.get("ID", ""))
-        if model is None or a.get("DesiredStatus") != "run":
+        if model is None or a.get("DesiredStatus") != "run" or is_shard(a):
             continue
         client = a.get("ClientStatus")
         if client in ("pending", "running"):
@@ -101,17 +175,22 @@ def list_replicas(
         seen[alloc_id] = (state, since)
         svc = (passing_by_alloc.get(alloc_id) or {}).get("Service") or {}
         address = f"{svc.get('Address')}:{svc.get('Port')}" if svc.get("Address") else ""
+        node_id = str(a.get("NodeID") or "")
+        # Only a live leader has shards: a failed one's were its replica's, now restarted.
+        shards = shards_of.get(str(a.get("JobID")), []) if state != "failed" else []
         out.append(
             {
                 "model": model,
                 "alloc_id": alloc_id,
                 "node": str(a.get("NodeName") or ""),
-                "node_id": str(a.get("NodeID") or ""),
+                "node_id": node_id,
                 "address": address,
                 "state": state,
                 "ready": state == "ready",
                 "since": since,
                 "last_request_at": views[model].activity,
+                "fabric": fabrics.get(node_id, ""),
+                "shards": shards,
             }
         )
     out.sort(key=lambda r: (r["model"], r["node"], r["alloc_id"]))

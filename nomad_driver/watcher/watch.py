@@ -1,107 +1,22 @@
-"""One blocking-query loop per collection, each keeping the latest immutable snapshot.
+"""What the watcher's blocking-query loops read: one fetch per collection, each run by
+`nomad_driver.blocking.Watch` (index rules, a token bucket, backoff; the router's loops are the
+same).
 
 An idle cluster costs one open long poll per collection, not a call per model per second: each
-loop asks "anything newer than index N?" and Consul or Nomad answers when there is, or when the
-wait runs out. The index rules (reset when it goes backwards, never below 1) live in
-`blocking.py`; here each loop is also rate-limited with a small token bucket, because an index
-that moves on every write of an unrelated key would otherwise turn a long poll into a busy loop.
-
-When the far side is down, a loop logs once, backs off with jitter, and keeps its last snapshot
-marked stale; it never raises, so the watcher keeps serving what it knew.
+fetch asks "anything newer than index N?" and Consul or Nomad answers when there is, or when the
+wait runs out.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
-import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Any
 
-from nomad_driver.blocking import backoff_delay
-from nomad_driver.consul import Consul, ConsulError, KVEntry
+from nomad_driver.consul import Consul, KVEntry
 from nomad_driver.nomad import JOB_PREFIX, Nomad, NomadError
 from nomad_driver.state import KV_PREFIX
-
-log = logging.getLogger("llmgw.watch")
-
-T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class Snapshot(Generic[T]):
-    index: int
-    data: T
-    taken_at: float  # monotonic
-
-
-class TokenBucket:
-    """Burst of 2, then at most `rate` calls a second (Consul's advice for blocking loops)."""
-
-    def __init__(self, rate: float, burst: int = 2) -> None:
-        self.rate = rate
-        self.burst = burst
-        self.tokens = float(burst)
-        self.stamp = time.monotonic()
-
-    async def take(self) -> None:
-        while True:
-            now = time.monotonic()
-            self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
-            self.stamp = now
-            if self.tokens >= 1:
-                self.tokens -= 1
-                return
-            await asyncio.sleep((1 - self.tokens) / self.rate)
-
-
-class Watch(Generic[T]):
-    def __init__(
-        self,
-        name: str,
-        fetch: Callable[[int], Awaitable[tuple[int, T]]],
-        *,
-        on_change: Callable[[], None],
-        rate: float = 10.0,
-    ) -> None:
-        self.name = name
-        self.fetch = fetch
-        self.on_change = on_change
-        self.bucket = TokenBucket(rate)
-        self.snapshot: Snapshot[T] | None = None
-        self.ok = False  # the last call succeeded
-        self.calls = 0
-
-    async def run(self) -> None:
-        index = 0
-        failures = 0
-        while True:
-            await self.bucket.take()
-            self.calls += 1
-            try:
-                new_index, data = await self.fetch(index)
-            except asyncio.CancelledError:
-                raise
-            except (ConsulError, NomadError, ValueError, KeyError, TypeError) as exc:
-                if failures == 0:
-                    # Once per outage: a log line per retry would bury everything else.
-                    log.warning("event=watch_failed watch=%s error=%r", self.name, str(exc))
-                failures += 1
-                self.ok = False
-                # Start over from a plain read: the far side may have been reset meanwhile.
-                index = 0
-                await asyncio.sleep(backoff_delay(failures, base=0.5, cap=15.0))
-                continue
-            if failures:
-                log.info("event=watch_recovered watch=%s after_failures=%d", self.name, failures)
-                failures = 0
-            self.ok = True
-            if self.snapshot is None or new_index != self.snapshot.index or new_index != index:
-                self.snapshot = Snapshot(new_index, data, time.monotonic())
-                self.on_change()
-            index = new_index
-
 
 # The collections the watcher reads.
 
@@ -124,16 +39,33 @@ def engines_fetch(
     return fetch
 
 
+# Allocations of other jobs that still hold what they were given (the client has not let go).
+_HOLDING = frozenset({"pending", "running", "unknown"})
+
+
 def nomad_list_fetch(
-    nomad: Nomad, collection: str, wait_s: float, params: dict[str, Any] | None = None
+    nomad: Nomad,
+    collection: str,
+    wait_s: float,
+    params: dict[str, Any] | None = None,
+    *,
+    others_holding: bool = False,
 ) -> Callable[[int], Awaitable[tuple[int, tuple[dict[str, Any], ...]]]]:
-    """Allocations or evaluations of llmgw's jobs (the others are dropped here, once)."""
+    """Allocations or evaluations of llmgw's jobs (the others are dropped here, once). With
+    `others_holding`, other jobs' allocations that hold their resources are kept too: a GPU
+    another team's job holds is not free, and a node with one is no room for a multi-node
+    replica, which needs entirely free nodes."""
+
+    def kept(item: dict[str, Any]) -> bool:
+        if str(item.get("JobID", "")).startswith(JOB_PREFIX):
+            return True
+        return others_holding and item.get("ClientStatus") in _HOLDING
 
     async def fetch(index: int) -> tuple[int, tuple[dict[str, Any], ...]]:
         new_index, items = await asyncio.to_thread(
             nomad.blocking_list, collection, index=index, wait_s=wait_s, params=params
         )
-        return new_index, tuple(i for i in items if str(i.get("JobID", "")).startswith(JOB_PREFIX))
+        return new_index, tuple(i for i in items if kept(i))
 
     return fetch
 

@@ -20,11 +20,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from playwright.sync_api import Page, sync_playwright
+from playwright.sync_api import Error as PlaywrightError
+from playwright.sync_api import Page, ViewportSize, sync_playwright
 
 CACHED_CHROMIUM = Path.home() / ".cache" / "llmgw" / "chromium" / "chromium"
 MODELS_NODE = "llmgw-models"  # the external catalog node the watcher registers models on
-VIEWPORT = {"width": 1280, "height": 900}
+VIEWPORT: ViewportSize = {"width": 1280, "height": 900}
 LOAD_TIMEOUT_MS = 60_000
 
 
@@ -115,6 +116,22 @@ def shoot(page: Page, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(path), full_page=True)
     return path
+
+
+@contextmanager
+def shooting(page: Page, path: Path) -> Iterator[Path]:
+    """A screenshot of `page` at `path` when the block ends, however it ends: the page that did
+    not load, or loaded wrong, is the picture a failing test most needs. A browser error in the
+    block is raised as an AssertionError that names the picture."""
+    try:
+        yield path
+    except PlaywrightError as exc:
+        raise AssertionError(f"{exc.message}\n    screenshot: {path}") from exc
+    finally:
+        try:
+            shoot(page, path)
+        except PlaywrightError as exc:
+            path.with_suffix(".txt").write_text(f"no screenshot of {page.url}: {exc.message}\n")
 
 
 def _read_env(path: Path) -> dict[str, str]:

@@ -12,6 +12,7 @@ import yaml
 
 from devstack import demo_models, fleet, processes
 from devstack.nomad.nodes import load_nodes
+from nomad_driver.placement import choose_fabric, eligible_nodes, fabric_rooms
 from nomad_driver.spec import load_models, parse_models
 
 
@@ -19,9 +20,18 @@ def _say(text: str) -> None:
     pass
 
 
-def test_demo_template_is_a_valid_models_file_with_the_four_demo_models() -> None:
+def test_demo_template_is_a_valid_models_file_with_the_five_demo_models() -> None:
     models = parse_models(demo_models.TEMPLATE.read_text(), str(demo_models.TEMPLATE))
-    assert set(models.models) == {"gemma-3-270m", "gemma-3-270m-on-demand", "kev-0.5b", "phi-4"}
+    assert set(models.models) == {
+        "gemma-3-270m",
+        "gemma-3-270m-on-demand",
+        "gemma-3-270m-split",
+        "kev-0.5b",
+        "phi-4",
+    }
+    split = models.models["gemma-3-270m-split"]
+    assert (split.profile.engine, split.profile.nodes) == ("llama.cpp", 2)
+    assert split.source == models.models["gemma-3-270m"].source
     assert models.models["gemma-3-270m-on-demand"].replicas_min == 0
     assert models.models["gemma-3-270m"].profile.chat_format == "gemma"
 
@@ -74,3 +84,26 @@ def test_stop_group_stops_what_the_child_started_too(tmp_path: Path) -> None:
     assert len(members) >= 2  # the shell and its background sleep, at least
     assert processes.stop_group(proc.pid, timeout=10)
     assert not [pid for pid in members if processes.alive(pid)]
+
+
+def test_the_demo_fleet_has_one_fabric_entirely_free_for_the_split_model_and_only_for_it(
+    tmp_path: Path,
+) -> None:
+    models = parse_models(demo_models.TEMPLATE.read_text()).models
+    out = fleet.effective_nodes(
+        fleet.DEMO_FLEET, tmp_path / "engines", tmp_path / "nodes.yaml", gpu_pool="gpu"
+    )
+    nodes = load_nodes(out)
+    split = models["gemma-3-270m-split"]
+    rooms = fabric_rooms(eligible_nodes(nodes, split.profile), [], split.name)
+    assert [(r.fabric, r.largest_free_block) for r in rooms] == [("roce-a", 2)]
+    assert choose_fabric(rooms, split.profile.nodes) == "roce-a"
+    # The single-node demo models cannot take a card there: the two nodes stay entirely free.
+    pools = {n["Name"]: n["NodePool"] for n in nodes}
+    assert {pools["gpu-a10-0"], pools["gpu-a10-1"]} == {"multinode"}
+    for name, model in models.items():
+        if model.profile.nodes == 1:
+            assert model.profile.node_pool == "gpu", name
+    # The small fleet the tests use is the demo fleet without them.
+    small = {n["name"] for n in yaml.safe_load(fleet.SMALL_FLEET.read_text())["nodes"]}
+    assert set(pools) - small == {"gpu-a10-0", "gpu-a10-1", "general-0"}

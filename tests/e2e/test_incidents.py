@@ -225,6 +225,35 @@ def test_on_demand_model_starts_on_its_first_request(devstack_tiny: DevStack) ->
     assert status["ready"] == 1 and status["desired"] == 1
 
 
+def test_the_two_shard_model_answers_from_two_nodes_of_one_fabric_shown_as_one_replica(
+    devstack_tiny: DevStack,
+) -> None:
+    stack = devstack_tiny
+    model = "gemma-3-270m-split"
+    reply = client(stack).completions.create(model=model, prompt="Once upon a time", max_tokens=4)
+    assert reply.choices
+    # `ctl status` as the tour prints it: the shard and the fabric beside the model.
+    status = stack.llmgw("ctl", "status")
+    assert status.returncode == 0, status.stderr
+    header = next(line for line in status.stdout.splitlines() if "MODEL" in line)
+    assert "SHARDS" in header and "FABRIC" in header, status.stdout
+    row = next(line for line in status.stdout.splitlines() if f" {model} " in line)
+    assert "1/1" in row and "roce-a" in row, status.stdout
+    as_json = {m["model"]: m for m in json.loads(stack.llmgw("ctl", "status", "--json").stdout)["models"]}
+    split = as_json[model]
+    assert (split["fabric"], split["shards_running"], split["ready"]) == ("roce-a", 1, 1)
+    assert sorted(split["replica_nodes"]) == ["gpu-a10-0", "gpu-a10-1"]
+    # One replica, not two: its shard is listed with it, never as a replica "starting" forever.
+    replicas = json.loads(stack.llmgw("ctl", "replicas", "--json").stdout)["replicas"]
+    (row_json,) = [r for r in replicas if r["model"] == model]
+    assert row_json["state"] == "ready" and row_json["fabric"] == "roce-a"
+    assert [s["state"] for s in row_json["shards"]] == ["running"]
+    assert {row_json["node"], *(s["node"] for s in row_json["shards"])} == {"gpu-a10-0", "gpu-a10-1"}
+    text = httpx.get(f"{stack.admin}/metrics", timeout=10).text
+    shards = [line for line in text.splitlines() if line.startswith("llmgw_model_replica_shards_running{")]
+    assert shards == [f'llmgw_model_replica_shards_running{{fabric="roce-a",model="{model}"}} 1.0'], shards
+
+
 # ----- the stack itself ------------------------------------------------------------------------
 
 

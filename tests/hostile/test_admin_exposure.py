@@ -1,11 +1,17 @@
 """Issue 13, item 8: the admin API and the router's keys by default. With no token anyone who
 reached the admin API could `retry` (five failed starts a time) and read every source and
-error, FastAPI's /docs were open, `Bearer` was case-sensitive there, and `LLMGW_API_KEYS=" , "`
-served everyone with only a warning."""
+error, FastAPI's /docs were open, the shipped job listened on all interfaces without TLS,
+`Bearer` was case-sensitive there, and `LLMGW_API_KEYS=" , "` served everyone with only a
+warning."""
 
 from __future__ import annotations
 
+import os
+import signal
+import ssl
 import stat
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -13,12 +19,18 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
+from devstack.ports import free_port
 from nomad_driver.cli.app import app as cli_app
 from nomad_driver.cli.watcher import admin_token
+from nomad_driver.state import CONFIG_MODELS_KEY
 from nomad_driver.watcher.admin import create_app
-from tests.watcher_support import CRASH_AND_IDLE_MODELS, until, watcher_on_standin
+from tests.hostile.conftest import GuardedRouter, alpha_replica, chat
+from tests.router.conftest import StartStub, write_self_signed
+from tests.watcher_support import CRASH_AND_IDLE_MODELS, until, wait_for, watcher_on_standin
 
 pytestmark = pytest.mark.timeout(120)
+
+WATCHER = [sys.executable, "-m", "nomad_driver.cli", "watcher"]
 
 
 async def test_beyond_loopback_reads_and_writes_need_the_token_and_docs_are_off(
@@ -95,3 +107,90 @@ def test_the_watcher_refuses_half_a_tls_setting(args: list[str], problem: str) -
     result = CliRunner().invoke(cli_app, ["watcher", "--listen", "127.0.0.1:1", *args])
     assert result.exit_code == 2, result.output
     assert problem in result.output
+
+
+@pytest.mark.slow
+def test_a_watcher_on_all_interfaces_generates_a_token_refuses_strangers_and_serves_https(
+    tmp_path: Path, consul_url: str, start_standin: Any
+) -> None:
+    standin = start_standin(consul=False)
+    httpx.put(f"{consul_url}/v1/kv/{CONFIG_MODELS_KEY}", content=CRASH_AND_IDLE_MODELS, timeout=5)
+    cert, key, _expiry = write_self_signed(tmp_path)
+    secrets_dir = tmp_path / "secrets"
+    secrets_dir.mkdir()
+    port = free_port()
+    env = dict(
+        os.environ, CONSUL_HTTP_ADDR=consul_url, NOMAD_ADDR=standin.url, NOMAD_SECRETS_DIR=str(secrets_dir)
+    )
+    env.pop("LLMGW_ADMIN_TOKEN", None)
+    log = tmp_path / "watcher.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [*WATCHER, "--listen", f"0.0.0.0:{port}", "--tls-cert", str(cert), "--tls-key", str(key)],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        url = f"https://127.0.0.1:{port}"
+        tls = ssl.create_default_context(cafile=str(cert))
+        with httpx.Client(base_url=url, verify=tls, timeout=5) as client:
+
+            def healthy() -> bool:
+                try:
+                    return client.get("/healthz").status_code == 200
+                except httpx.HTTPError:
+                    return proc.poll() is not None  # gone: say so below rather than wait
+
+            wait_for(healthy, 60, "the watcher's admin API over HTTPS")
+            assert proc.poll() is None, log.read_text()
+            # The token it generated, and where it says it put it.
+            token_file = secrets_dir / "llmgw-admin-token"
+            token = token_file.read_text().strip()
+            assert len(token) >= 32
+            assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
+            said = log.read_text()
+            assert f"generated a token into {token_file}" in said
+            assert token not in said
+            # Strangers can neither read nor write; the token holder can.
+            for path in ("/v1/admin/models", "/v1/admin/summary", "/v1/admin/models/idle"):
+                assert client.get(path).status_code == 401, path
+            assert client.post("/v1/admin/models/idle/retry").status_code == 401
+            auth = {"Authorization": f"bearer {token}"}
+            wait_for(
+                lambda: client.get("/v1/admin/models/idle", headers=auth).status_code == 200, 30, "a read"
+            )
+            assert client.post("/v1/admin/models/idle/retry", headers=auth).status_code != 401
+            assert client.get("/docs", headers=auth).status_code == 404
+        # It speaks only TLS there.
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+
+def test_the_router_reads_the_bearer_scheme_in_any_case(
+    consul_url: str, stub_engine: StartStub, guarded_router: GuardedRouter
+) -> None:
+    alpha_replica(consul_url, stub_engine)
+    router = guarded_router(consul_url, api_keys=("sesame",))
+    router.wait_ready("alpha", 1)
+    for scheme in ("Bearer", "bearer", "BEARER", "bEaReR"):
+        served = httpx.post(
+            f"{router.url}/v1/chat/completions",
+            json=chat(),
+            headers={"Authorization": f"{scheme} sesame"},
+            timeout=10,
+        )
+        assert served.status_code == 200, (scheme, served.text)
+    for header in ("Bearer guess", "Basic sesame", "sesame"):
+        refused = httpx.post(
+            f"{router.url}/v1/chat/completions", json=chat(), headers={"Authorization": header}, timeout=10
+        )
+        assert refused.status_code == 401, header
+        assert refused.json()["error"]["code"] == "invalid_api_key"

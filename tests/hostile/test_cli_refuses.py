@@ -11,6 +11,8 @@ import pytest
 from typer.testing import CliRunner
 
 from nomad_driver.cli.app import app as cli_app
+from nomad_driver.hcl import job_to_hcl
+from nomad_driver.render import render_job
 from nomad_driver.spec import SpecError, parse_models
 from nomad_driver.state import parse_activity
 
@@ -87,17 +89,32 @@ def test_a_bad_file_is_exit_2_with_the_path_and_the_problem(tmp_path: Path, verb
     assert "Traceback" not in output
 
 
+def with_placement(line: str) -> str:
+    return models().replace("    gpus: 0\n", f"    gpus: 0\n    {line}\n")
+
+
 @pytest.mark.parametrize(
     ("field", "text"),
     [
         ("name", models(name='"m\\n"')),
         ("engine_version", models(version='"b1\\n"')),
+        ("node_pool", with_placement('node_pool: "gpu\\n"')),
+        ("datacenters", with_placement('datacenters: ["dc1\\n"]')),
     ],
 )
 def test_names_and_versions_are_matched_whole(field: str, text: str) -> None:
     with pytest.raises(SpecError) as err:
         parse_models(text)
     assert any(field in p or "invalid model name" in p for p in err.value.problems), err.value.problems
+    # The same name without the newline is fine: it is the newline that is refused.
+    parse_models(text.replace("\\n", ""))
+
+
+def test_a_map_key_with_a_trailing_newline_is_not_an_hcl_identifier() -> None:
+    job = render_job(parse_models(models()).models["m"])
+    job["Meta"]["llmgw_model\n"] = "m"
+    with pytest.raises(ValueError, match="is not an HCL identifier"):
+        job_to_hcl(job)
 
 
 def test_bounds_allow_what_an_operator_means() -> None:

@@ -12,6 +12,7 @@ import pytest
 
 from nomad_driver.consul import Consul
 from nomad_driver.state import CONFIG_MODELS_KEY, state_key
+from router.assemble import Assembler, AssemblyFailed
 from tests.hostile.conftest import Bystander, GuardedRouter, alpha_replica, chat
 from tests.router.conftest import StartStub, put_kv, put_state, wait_until
 from tests.watcher_support import CRASH_AND_IDLE_MODELS, until, watcher_on_standin
@@ -38,13 +39,17 @@ def test_a_deeply_nested_body_is_a_400_not_a_500(
     router = guarded_router(consul_url)
     router.wait_ready("alpha", 1)
     body = b'{"model": "alpha", "messages": ' + b"[" * depth + b"]" * depth + b"}"
+    answers: list[httpx.Response] = []
     with Bystander(router.url) as bystander:
-        resp = httpx.post(f"{router.url}/v1/chat/completions", content=body, timeout=20)
-    assert resp.status_code == 400
-    error = resp.json()["error"]
-    assert error["code"] == "invalid_json"
-    assert "nested deeper than 64 levels" in error["message"]
-    bystander.assert_served(minimum=2)
+        bystander.keep_attacking(
+            lambda: answers.append(httpx.post(f"{router.url}/v1/chat/completions", content=body, timeout=20))
+        )
+    for resp in answers:
+        assert resp.status_code == 400
+        error = resp.json()["error"]
+        assert error["code"] == "invalid_json"
+        assert "nested deeper than 64 levels" in error["message"]
+    bystander.assert_served(minimum=4)
 
 
 def test_a_poisoned_state_key_harms_only_its_model_on_the_router(
@@ -62,6 +67,7 @@ def test_a_poisoned_state_key_harms_only_its_model_on_the_router(
         refused = httpx.post(f"{router.url}/v1/chat/completions", json=chat("gamma"), timeout=10)
         assert refused.status_code in (404, 503)
         health = httpx.get(f"{router.url}/healthz", timeout=10).json()
+        bystander.wait_served()
     assert health["status"] == "ok", health
     assert router.app.discovery.snapshot.states["gamma"].parked
     bystander.assert_served()
@@ -82,6 +88,7 @@ def test_nested_brackets_in_the_definitions_keep_the_last_good_ones_and_report_t
         assert health["status"] == "ok", health
         assert "nested deeper than 64 levels" in health["models_error"]
         assert set(router.app.discovery.snapshot.models) == {"alpha", "beta"}
+        bystander.wait_served()
         # Fixed: the problem goes away with it.
         put_kv(consul_url, CONFIG_MODELS_KEY, MODELS)
         wait_until(lambda: not router.app.discovery.snapshot.models_error, 10, "the problem cleared")
@@ -126,3 +133,10 @@ async def test_a_poisoned_state_key_is_replaced_by_the_leader_and_other_models_r
     finally:
         await watcher.stop()
         await consul.close()
+
+
+def test_a_deeply_nested_event_from_an_engine_is_a_stream_the_router_cannot_read() -> None:
+    # What a non-streamed answer is assembled from (router/assemble.py): a RecursionError
+    # here was a 500 with a traceback for the client.
+    with pytest.raises(AssemblyFailed, match="nested deeper than 64 levels"):
+        Assembler(chat=True).feed_event(b"data: " + b"[" * 100_000 + b"]" * 100_000)

@@ -5,8 +5,10 @@ and anything secret-looking is redacted wherever a source or an engine error is 
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -17,7 +19,7 @@ from nomad_driver.logs import LogfmtFormatter
 from nomad_driver.spec import SpecError, parse_models, redact
 from nomad_driver.state import CONFIG_MODELS_KEY
 from tests.hostile.conftest import Bystander, GuardedRouter, alpha_replica, chat
-from tests.router.conftest import StartStub, put_kv, put_state, wait_until
+from tests.router.conftest import StartStub, get_kv, put_kv, put_state, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -100,6 +102,7 @@ def test_an_engine_error_quoting_a_credential_never_reaches_clients(
         put_kv(consul_url, CONFIG_MODELS_KEY, models_with(SOURCES[0]))
         wait_until(lambda: router.app.discovery.snapshot.models_error, 10, "the problem reported")
         health = httpx.get(f"{router.url}/healthz", timeout=10)
+        bystander.wait_served()
     assert parked.status_code == 503
     assert "artifact download failed" in parked.text
     for answer in (parked.text, listing.text, health.text):
@@ -107,3 +110,37 @@ def test_an_engine_error_quoting_a_credential_never_reaches_clients(
     assert "carries a credential" in health.json()["models_error"]
     assert "far" in listing.text and "***" in listing.text
     bystander.assert_served()
+
+
+@pytest.mark.parametrize("source", [SOURCES[0], SOURCES[2]])
+def test_apply_refuses_a_source_with_a_credential_and_stores_nothing(
+    source: str, tmp_path: Path, consul_url: str, start_standin: Any
+) -> None:
+    standin = start_standin(consul=False)
+    env = {"CONSUL_HTTP_ADDR": consul_url, "NOMAD_ADDR": standin.url}
+    good = tmp_path / "good.yaml"
+    good.write_text(models_with("file:///models/m.gguf"))
+    applied = CliRunner().invoke(
+        cli_app, ["apply", str(good), "--auto-approve", "--allow-unplaceable"], env=env
+    )
+    assert applied.exit_code == 0, applied.output
+    stored = get_kv(consul_url, CONFIG_MODELS_KEY)
+    jobs_before = httpx.get(f"{standin.url}/v1/jobs", timeout=10).json()
+    assert stored is not None and [j["ID"] for j in jobs_before] == ["llmgw-m"]
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(models_with(source))
+    refused = CliRunner().invoke(
+        cli_app, ["apply", str(bad), "--auto-approve", "--allow-unplaceable"], env=env
+    )
+    assert refused.exit_code == 2, refused.output
+    assert "carries a credential" in refused.output and "Nomad Variable" in refused.output
+    assert SECRET not in refused.output
+    # Nothing of it stored: the definitions and the jobs are what the good apply left.
+    assert get_kv(consul_url, CONFIG_MODELS_KEY) == stored
+    jobs = httpx.get(f"{standin.url}/v1/jobs", timeout=10).json()
+    assert [(j["ID"], j["JobModifyIndex"]) for j in jobs] == [
+        (j["ID"], j["JobModifyIndex"]) for j in jobs_before
+    ]
+    job = httpx.get(f"{standin.url}/v1/job/llmgw-m", timeout=10).json()
+    assert SECRET not in json.dumps(job)

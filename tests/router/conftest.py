@@ -23,7 +23,7 @@ from devstack import lifetime
 from devstack.ports import free_port
 from devstack.prometheus import self_signed_certificate
 from router.app import RouterApp
-from router.config import ConsulSettings, NomadSettings, RouterConfig
+from router.config import ConsulSettings, RouterConfig
 from router.server import uvicorn_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -85,19 +85,16 @@ StartRouter = Callable[..., RunningRouter]
 
 @pytest.fixture
 def start_router() -> Iterator[StartRouter]:
-    """`start_router(consul_url, activation=False, nomad_url=None, **config_overrides)`; every
-    router is stopped at teardown."""
+    """`start_router(consul_url, activation=False, **config_overrides)`; every router is stopped
+    at teardown. Activation needs a leading watcher to answer the router's asks."""
     started: list[RunningRouter] = []
 
-    def start(
-        consul_url: str, *, activation: bool = False, nomad_url: str | None = None, **overrides: Any
-    ) -> RunningRouter:
+    def start(consul_url: str, *, activation: bool = False, **overrides: Any) -> RunningRouter:
         port = free_port()
         config = RouterConfig(
             host="127.0.0.1",
             port=port,
             consul=ConsulSettings(addr=consul_url, wait_s=10.0),
-            nomad=NomadSettings(addr=nomad_url or "http://127.0.0.1:9"),
         )
         config = replace(config, **overrides)
         app = RouterApp(config, activation=activation)
@@ -284,3 +281,7 @@ def write_self_signed(directory: Path, days: int = 1) -> tuple[Path, Path, float
         )
     )
     return cert_path, key_path, cert.not_valid_after_utc.timestamp()
+
+
+# The activation tests' fleet (tests/router/fleet.py), for every test file here.
+from tests.router.fleet import fleet, make_fleet, watcher_for  # noqa: E402, F401

@@ -49,7 +49,7 @@ class StubEngine:
             return
         request = json.loads(body or b"{}")
         if request.get("stream"):
-            await self._stream(send, request)
+            await self._stream(send, receive, request)
             return
         if path == "/v1/embeddings":
             await self._json(
@@ -96,7 +96,24 @@ class StubEngine:
         )
         await send({"type": "http.response.body", "body": data})
 
-    async def _stream(self, send: Send, request: dict[str, Any]) -> None:
+    async def _stream(self, send: Send, receive: Receive, request: dict[str, Any]) -> None:
+        gone = asyncio.Event()
+
+        async def listen() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            gone.set()
+
+        listener = asyncio.create_task(listen())
+        try:
+            sent = await self._events(send, request, gone)
+        finally:
+            listener.cancel()
+        if gone.is_set():
+            # What a test reads to know the engine stopped, and how much it had sent by then.
+            print(f"stream ended: client gone after {sent} bytes", flush=True)
+
+    async def _events(self, send: Send, request: dict[str, Any], gone: asyncio.Event) -> int:
         await send(
             {
                 "type": "http.response.start",
@@ -104,6 +121,7 @@ class StubEngine:
                 "headers": [(b"content-type", b"text/event-stream")],
             }
         )
+        sent = 0
         if self.big_event:
             # One event of `big_event` bytes, its end held back for a while.
             await send(
@@ -112,6 +130,8 @@ class StubEngine:
             await asyncio.sleep(3)
             await send({"type": "http.response.body", "body": b"\r\n\r\n", "more_body": True})
         for i in range(self.chunks):
+            if gone.is_set():
+                return sent
             chunk = {
                 "id": f"chatcmpl-{self.name}",
                 "object": "chat.completion.chunk",
@@ -119,13 +139,9 @@ class StubEngine:
                 "model": request.get("model", ""),
                 "choices": [{"index": 0, "delta": {"content": f"{self.name}-{i} "}, "finish_reason": None}],
             }
-            await send(
-                {
-                    "type": "http.response.body",
-                    "body": b"data: " + json.dumps(chunk).encode() + b"\r\n\r\n",
-                    "more_body": True,
-                }
-            )
+            event = b"data: " + json.dumps(chunk).encode() + b"\r\n\r\n"
+            await send({"type": "http.response.body", "body": event, "more_body": True})
+            sent += len(event)
             # Even without a delay, let other streams have their turn: a send that does not
             # block never yields, and one endless stream would starve the rest.
             await asyncio.sleep(self.chunk_delay)
@@ -140,6 +156,7 @@ class StubEngine:
             # The stream's end comes a while after its last event, as it may from a real server.
             await asyncio.sleep(self.done_linger)
             await send({"type": "http.response.body", "body": b"", "more_body": False})
+        return sent
 
 
 def main() -> None:

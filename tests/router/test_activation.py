@@ -1,169 +1,24 @@
 """Activation against the Nomad stand-in (real Nomad HTTP API, real placement rules, engines run
-as real llama.cpp processes registered in the real Consul): a request for a model with nothing
-running scales its job up and is answered once a replica is ready; a model that fits nowhere is
-refused at once with Nomad's reason, and asked about afresh on the next request."""
+as real llama.cpp processes registered in the real Consul) and the real watcher: a request for a
+model with nothing running asks, the leading watcher scales its job up, and the request is
+answered once a replica is ready; a model that fits nowhere is refused at once with Nomad's
+reason, and asked about afresh on the next request. The router never calls Nomad."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-import sys
-import threading
 import time
-from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 import yaml
-from openai import APIStatusError, OpenAI
+from openai import APIStatusError, APITimeoutError, OpenAI, RateLimitError
 
-from nomad_driver.consul import Consul
-from nomad_driver.nomad import Nomad
-from nomad_driver.render import render_job
-from nomad_driver.spec import parse_models
-from nomad_driver.watcher.loop import Watcher, WatcherConfig
-from tests.router.conftest import RunningRouter, StartRouter, get_kv, put_kv, put_state, wait_until
-
-ENGINE_VERSION = "0.3.36"
-
-
-def node(name: str, engines: Path, gpus: int, gpu_memory_mib: int, model: str) -> dict[str, Any]:
-    return {
-        "name": name,
-        "datacenter": "dc1",
-        "cpu_mhz": 32000,
-        "cpu_cores": 16,
-        "memory_mib": 65536,
-        "disk_mb": 100000,
-        "attributes": {"driver.raw_exec": "1"},
-        "meta": {"llmgw_engines_dir": str(engines), "llmgw_engine_llama_cpp_python": ENGINE_VERSION},
-        "gpus": [{"model": model, "memory_mib": gpu_memory_mib, "count": gpus}],
-    }
-
-
-def models_yaml(tiny: Path, kev: Path) -> str:
-    return f"""
-profiles:
-  small:
-    engine: llama-cpp-python
-    engine_version: "{ENGINE_VERSION}"
-    gpus: 1
-    gpu_memory_mib: 8000
-    memory_mib: 1024
-    context: 256
-  huge:
-    engine: llama-cpp-python
-    engine_version: "{ENGINE_VERSION}"
-    gpus: 8
-    gpu_memory_mib: 80000
-    memory_mib: 1024
-    context: 256
-models:
-  tiny:
-    source: file://{tiny}
-    profile: small
-    replicas: {{min: 0, max: 1}}
-    activation_timeout: 90s
-  filler:
-    source: file://{tiny}
-    profile: small
-    replicas: {{min: 0, max: 1}}
-    activation_timeout: 90s
-  brief:
-    source: file://{tiny}
-    profile: small
-    replicas: {{min: 0, max: 1}}
-    activation_timeout: 1s
-  phi-4:
-    source: file://{tiny}
-    profile: huge
-    replicas: {{min: 0, max: 1}}
-    activation_timeout: 90s
-  kev-0.5b:
-    source: file://{kev}
-    profile: small
-    replicas: {{min: 0, max: 1}}
-    activation_timeout: 3s
-"""
-
-
-class Fleet:
-    def __init__(self, standin: Any, router: RunningRouter, engines: Path) -> None:
-        self.standin = standin
-        self.router = router
-        self.engines = engines
-
-    def chat(self, model: str, timeout: float = 120) -> httpx.Response:
-        """One plain request (no SDK retries), as a client that gives up after `timeout`."""
-        return httpx.post(
-            f"{self.router.url}/v1/chat/completions",
-            json={"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
-            timeout=timeout,
-        )
-
-    def job_count(self, job_id: str) -> int:
-        job = httpx.get(f"{self.standin.url}/v1/job/{job_id}", timeout=10).json()
-        return int(job["TaskGroups"][0]["Count"])
-
-    def scale(self, job_id: str, count: int) -> None:
-        reply = httpx.post(
-            f"{self.standin.url}/v1/job/{job_id}/scale",
-            json={"Count": count, "Target": {"Group": "engine"}, "Message": "test"},
-            timeout=10,
-        )
-        assert reply.status_code == 200, reply.text
-
-    def scale_events(self, job_id: str) -> list[dict[str, Any]]:
-        status = httpx.get(f"{self.standin.url}/v1/job/{job_id}/scale", timeout=10).json()
-        return list(status["TaskGroups"]["engine"]["Events"] or [])
-
-
-MakeFleet = Callable[..., Fleet]
-
-
-@pytest.fixture
-def make_fleet(
-    tmp_path: Path,
-    consul_url: str,
-    start_standin: Callable[..., Any],
-    start_router: StartRouter,
-    make_gguf: Callable[..., Path],
-) -> MakeFleet:
-    """`make_fleet(clock_speed=1.0, kev_window="3s", **router_overrides)`: one L4 node on the
-    stand-in, the models registered as jobs and stored in Consul, and a router on both."""
-
-    def make(clock_speed: float = 1.0, kev_window: str = "3s", **router_overrides: Any) -> Fleet:
-        # The nodes' engine install: llama-cpp-python from this virtualenv.
-        engines = tmp_path / "engines"
-        python = engines / "llama-cpp-python" / ENGINE_VERSION / "bin" / "python"
-        python.parent.mkdir(parents=True)
-        python.write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
-        python.chmod(0o755)
-        nodes = tmp_path / "nodes.yaml"
-        nodes.write_text(yaml.safe_dump({"nodes": [node("gpu-l4-0", engines, 1, 24564, "NVIDIA L4")]}))
-        standin = start_standin(nodes=nodes, clock_speed=clock_speed)
-
-        text = models_yaml(make_gguf(), make_gguf("kev")).replace(
-            "activation_timeout: 3s", f"activation_timeout: {kev_window}"
-        )
-        for model in parse_models(text).models.values():
-            reply = httpx.post(f"{standin.url}/v1/jobs", json={"Job": render_job(model)}, timeout=10)
-            assert reply.status_code == 200, reply.text
-        put_kv(consul_url, "llmgw/config/models", text)
-        router = start_router(consul_url, activation=True, nomad_url=standin.url, **router_overrides)
-        router.wait_ready("tiny", 0)
-        wait_until(lambda: len(router.app.discovery.snapshot.models) == 5, 10, "the five models")
-        return Fleet(standin, router, engines)
-
-    return make
-
-
-@pytest.fixture
-def fleet(make_fleet: MakeFleet) -> Fleet:
-    return make_fleet()
+from router.config import Timeouts
+from tests.router.conftest import StartRouter, get_kv, put_kv, put_state, wait_until
+from tests.router.fleet import Fleet, MakeFleet, models_yaml, node
 
 
 @pytest.mark.slow
@@ -183,7 +38,7 @@ def test_concurrent_requests_for_an_idle_model_share_one_activation_and_are_answ
     assert len(events) == 1, events
     assert "no ready replica" in events[0]["Message"]
     fleet.router.expect_metric("llmgw_router_activations_total", 1, model="tiny", result="placed")
-    # Activity is written before the scale call, so the watcher does not scale it straight down.
+    # Activity is written once placed, so the watcher does not scale it straight down.
     activity = get_kv(consul_url, "llmgw/activity/tiny")
     assert activity is not None and float(activity) >= before - 1
     # With a replica ready, the next request goes straight through without Nomad.
@@ -241,59 +96,14 @@ def test_a_placed_model_whose_window_runs_out_gets_model_loading_with_retry_afte
     fleet.router.expect_metric("llmgw_router_activations_total", 1, model="brief", result="placed")
 
 
-class WatcherThread:
-    """The real watcher, on its own event loop in a thread beside the router's."""
-
-    def __init__(self, consul_url: str, nomad_url: str) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="watcher", daemon=True)
-        self.thread.start()
-        config = WatcherConfig(wait_s=10, lock_delay_s=0.5, tick_s=0.5)
-        self.watcher = self._run(_make_watcher(consul_url, nomad_url, config))
-
-    def _run(self, coro: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(60)
-
-    def start(self) -> None:
-        self._run(self.watcher.start())
-
-    def stop(self) -> None:
-        self._run(self.watcher.stop())
-        self._run(self.watcher.consul.close())
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-
-
-async def _make_watcher(consul_url: str, nomad_url: str, config: WatcherConfig) -> Watcher:
-    return Watcher(Consul(consul_url), Nomad(nomad_url), config, ident="test-watcher")
-
-
-@pytest.fixture
-def watcher_for() -> Iterator[Callable[[str, str], WatcherThread]]:
-    started: list[WatcherThread] = []
-
-    def start(consul_url: str, nomad_url: str) -> WatcherThread:
-        w = WatcherThread(consul_url, nomad_url)
-        started.append(w)
-        w.start()
-        return w
-
-    try:
-        yield start
-    finally:
-        for w in started:
-            w.stop()
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_client_waiting_for_a_model_that_cannot_start_hears_model_parked_when_it_is_parked(
-    make_fleet: MakeFleet, consul_url: str, watcher_for: Callable[[str, str], WatcherThread]
+    make_fleet: MakeFleet, consul_url: str
 ) -> None:
     # A window far longer than the five failed starts take: the answer must come from the
     # park, not from the window running out.
     fleet = make_fleet(clock_speed=20.0, kev_window="600s")
-    watcher_for(consul_url, fleet.standin.url)
     client = OpenAI(base_url=f"{fleet.router.url}/v1", api_key="none", timeout=280)
     started = time.monotonic()
     with pytest.raises(APIStatusError) as raised:
@@ -321,28 +131,37 @@ def test_more_waiting_requests_than_the_bound_get_429_and_a_client_that_leaves_f
 ) -> None:
     fleet = make_fleet(kev_window="600s", max_waiting=3)
     router = fleet.router
+    # Clients that give up after 8 s, once (the SDK would retry its own timeout).
+    patient = fleet.sdk(timeout=8, max_retries=0)
 
     def waits() -> Exception | None:
         try:
-            fleet.chat("kev-0.5b", timeout=8)
-        except httpx.TimeoutException as exc:
+            fleet.ask(patient, "kev-0.5b")
+        except APITimeoutError as exc:
             return exc
         return None
 
     with ThreadPoolExecutor(3) as pool:
         waiting = [pool.submit(waits) for _ in range(3)]
         wait_until(lambda: router.app.activator.waiting("kev-0.5b") == 3, 10, "three waiting requests")
+        # The SDK with its defaults, which retry a 429 twice unless the answer says not to.
+        client = fleet.sdk()
         started = time.monotonic()
-        extra = [fleet.chat("kev-0.5b", timeout=10) for _ in range(2)]
-        assert time.monotonic() - started < 2, "the extra requests waited"
-        for resp in extra:
-            assert resp.status_code == 429
-            assert resp.json()["error"]["code"] == "model_overloaded"
-            assert "3 requests already wait" in resp.json()["error"]["message"]
-            assert int(resp.headers["retry-after"]) > 0
+        for _ in range(2):
+            with pytest.raises(RateLimitError) as raised:
+                fleet.ask(client, "kev-0.5b")
+            error = raised.value.body
+            assert isinstance(error, dict) and error["code"] == "model_overloaded", error
+            assert "3 requests already wait" in error["message"]
+            headers = raised.value.response.headers
+            assert int(headers["retry-after"]) > 0
+            assert headers["x-should-retry"] == "false"
+        # At once, and one request each: a retry would have waited Retry-After (10 s) first.
+        assert time.monotonic() - started < 2, "the extra requests waited, or were retried"
+        router.expect_metric("llmgw_router_requests_total", 2, model="kev-0.5b", code="429")
         # The three clients give up (their timeout): each is counted as an early end while
         # waiting, and their places are free again.
-        assert all(isinstance(f.result(), httpx.TimeoutException) for f in waiting)
+        assert all(isinstance(f.result(), APITimeoutError) for f in waiting)
     router.expect_metric("llmgw_router_early_ends_total", 3, timeout=10, model="kev-0.5b", kind="waiting")
     router.expect_metric("llmgw_router_refusals_total", 2, model="kev-0.5b", reason="overloaded")
     assert router.app.activator.waiting("kev-0.5b") == 0
@@ -407,55 +226,64 @@ def test_a_streamed_request_refused_after_keepalives_gets_the_refusal_as_an_even
 def test_a_model_placed_once_then_left_without_room_is_refused_and_its_count_put_back(
     make_fleet: MakeFleet, consul_url: str
 ) -> None:
-    fleet = make_fleet(activity_interval_s=0.2)
+    fleet = make_fleet(activity_interval_s=0.2, idle_timeouts={"tiny": "2s", "filler": "6s"})
     assert fleet.chat("tiny").status_code == 200
-    # Scaled down when idle, as the watcher does; then another model takes the only GPU.
-    fleet.scale("llmgw-tiny", 0)
+    # Scaled down by the watcher when idle; then another model takes the only GPU.
+    wait_until(lambda: fleet.job_count("llmgw-tiny") == 0, 30, "the watcher to idle tiny down")
     wait_until(lambda: not fleet.router.app.discovery.snapshot.replicas.get("tiny"), 30, "tiny gone")
     assert fleet.chat("filler").status_code == 200
     time.sleep(0.6)
     activity_before = get_kv(consul_url, "llmgw/activity/tiny")
 
-    resp = fleet.chat("tiny")
-    assert resp.status_code == 503, resp.text
-    error = resp.json()["error"]
-    assert error["code"] == "model_unplaceable"
+    client = fleet.sdk()
+    with pytest.raises(APIStatusError) as raised:
+        fleet.ask(client, "tiny")
+    assert raised.value.status_code == 503
+    error = raised.value.body
+    assert isinstance(error, dict) and error["code"] == "model_unplaceable", error
     assert "nvidia/gpu" in error["message"], error["message"]
-    assert resp.headers["x-should-retry"] == "false"
-    # The attempt raised the count to 1; refused, it put it back, and wrote no activity.
-    assert fleet.job_count("llmgw-tiny") == 0
+    assert raised.value.response.headers["x-should-retry"] == "false"
+    # The SDK asked once: the refusal says not to retry.
+    fleet.router.expect_metric("llmgw_router_requests_total", 1, model="tiny", code="503")
+    # The watcher raised the count to 1 for the ask; refused, it puts it back once the request
+    # has ended, and no activity was written for it.
+    wait_until(lambda: fleet.job_count("llmgw-tiny") == 0, 15, "the watcher to undo the activation")
     assert any(
         "undo the activation of tiny" in e.get("Message", "") for e in fleet.scale_events("llmgw-tiny")
     )
-    time.sleep(0.6)
     assert get_kv(consul_url, "llmgw/activity/tiny") == activity_before
 
-    # Room is made (the other model scaled down) while the next request is on its way: served.
-    fleet.scale("llmgw-filler", 0)
-    resp = fleet.chat("tiny")
-    assert resp.status_code == 200, resp.text
+    # Room is made (the idle filler scaled down by the watcher): the next request is served.
+    wait_until(lambda: fleet.job_count("llmgw-filler") == 0, 30, "the watcher to idle filler down")
+    answer = fleet.ask(client, "tiny")
+    assert answer.choices[0].message.role == "assistant"
     assert fleet.job_count("llmgw-tiny") == 1
 
 
-def test_an_unreachable_nomad_is_a_retryable_503_naming_it(
+def test_no_watcher_answering_is_a_retryable_503_naming_it(
     consul_url: str, start_router: StartRouter
 ) -> None:
+    """The router asks and the leading watcher scales; with no watcher (none runs, none leads,
+    or it cannot reach Nomad) nobody answers the ask, and the request hears so after the
+    window, retryable, not a wait without end."""
     put_kv(
         consul_url,
         "llmgw/config/models",
         models_yaml(Path("/models/tiny.gguf"), Path("/models/kev.gguf")),
     )
-    router = start_router(consul_url, activation=True, nomad_url="http://127.0.0.1:9")
+    router = start_router(consul_url, activation=True, timeouts=Timeouts(evaluation_s=2.0))
     wait_until(lambda: router.app.discovery.snapshot.models, 10, "the models")
+    started = time.monotonic()
     resp = httpx.post(
         f"{router.url}/v1/chat/completions",
         json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]},
         timeout=30,
     )
+    assert 1.5 < time.monotonic() - started < 10
     assert resp.status_code == 503
     error = resp.json()["error"]
     assert error["code"] == "activation_failed"
-    assert "cannot reach Nomad at http://127.0.0.1:9" in error["message"]
+    assert "no watcher answered its activation within 2s" in error["message"]
     assert resp.headers["retry-after"] == "5"
     router.expect_metric("llmgw_router_activations_total", 1, model="tiny", result="error")
 

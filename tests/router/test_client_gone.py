@@ -47,7 +47,9 @@ def defined_as_llama_cpp_python(directory: Path, gguf: Path) -> str:
     return str(path)
 
 
-def chat_body(max_tokens: int = LONG, stream: bool = True, prompt: str = "tell me a long story") -> bytes:
+def chat_body(
+    max_tokens: int = LONG, stream: bool = True, prompt: str = "tell me a long story", **extra: Any
+) -> bytes:
     return json.dumps(
         {
             "model": MODEL,
@@ -56,6 +58,7 @@ def chat_body(max_tokens: int = LONG, stream: bool = True, prompt: str = "tell m
             "stream": stream,
             "logit_bias": LONG_ASCII_ANSWER,
             "temperature": 1.0,
+            **extra,
         }
     ).encode()
 
@@ -183,13 +186,12 @@ def test_a_non_streamed_request_closed_before_its_answer_stops_the_engine(
     e.settles(8, "a non-streamed request closed before its answer")
 
 
-def never_reading_stream(router_url: str) -> socket.socket:
+def never_reading_stream(router_url: str, body: bytes) -> socket.socket:
     """A streamed chat on a socket that is never read, with a receive window as small as a
     stalled client's."""
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.connect(("127.0.0.1", int(router_url.rsplit(":", 1)[1])))
-    body = chat_body()
     sock.sendall(
         b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
         + f"Content-Length: {len(body)}\r\n\r\n".encode()
@@ -198,20 +200,103 @@ def never_reading_stream(router_url: str) -> socket.socket:
     return sock
 
 
+# What the sockets between the router and a client that reads nothing take before a write
+# blocks: the router's send buffer (64 KiB, which the kernel doubles), uvicorn's 64 KiB
+# before it waits for the socket, and the client's small window.
+STALLED_CLIENT_HOLDS = 200 * 1024
+# The issue's answers (1,900 tokens, 445 KB of events) in a second or two of engine time rather
+# than ten: each event carries the top 20 logprobs of its token (about 1 KiB, against 235
+# bytes without), so 400 tokens are some 430 KB.
+WIDE = {"max_tokens": 400, "logprobs": True, "top_logprobs": 20}
+# An answer larger than what the kernel holds between the engine and a router that stopped
+# reading (measured: about 4 MB, the engine's send buffer grown to tcp_wmem's 4 MiB): 640
+# tokens with 250 logprobs each, 5.2 MB in a few seconds of engine time.
+HUGE = {"max_tokens": 640, "logprobs": True, "top_logprobs": 250}
+
+
+def read_stream(url: str, body: bytes) -> int:
+    """Read a whole stream as a client that keeps up does; returns its size."""
+    headers = {"content-type": "application/json"}
+    with httpx.stream(
+        "POST", f"{url}/v1/chat/completions", content=body, headers=headers, timeout=120
+    ) as resp:
+        assert resp.status_code == 200
+        return sum(len(piece) for piece in resp.iter_raw())
+
+
 def test_twenty_streams_that_never_read_leave_the_engine_answering(engine: Callable[..., Engine]) -> None:
-    """Each answer (about 1 MiB of events) fits in the 4 MiB send buffer the kernel would grow
-    for the router's client socket: before the router bounded that buffer no write ever
-    blocked, so the deadline never fired and the one-slot engine generated all twenty answers
-    to the end, 25 s each, for nobody (over eight minutes here). Bounded, each stalled client
-    holds the engine for the write deadline plus the time to fill its small buffer."""
-    e = engine(timeouts=Timeouts(client_send_s=2.0))
-    socks = [never_reading_stream(e.router.url) for _ in range(20)]
+    """The issue's case, on the default settings (a 30 s write deadline). llama-cpp-python
+    serves one request at a time, first come first served, so the twenty are generated in turn
+    and a request of the engine's own waits behind them, as it would behind twenty readers;
+    what matters is that no stalled client holds the engine past its answer's generation. The
+    engine then answers at once and is idle while the twenty are still connected, read
+    nothing, and wait for the deadline to drop them."""
+    e = engine()
+    assert e.router.app.config.timeouts == Timeouts() and Timeouts().client_send_s == 30.0
+    body = chat_body(**WIDE)
+    # What one such answer costs, read by a client that keeps up.
+    started = time.monotonic()
+    assert read_stream(e.router.url, body) > 2 * STALLED_CLIENT_HOLDS
+    one = time.monotonic() - started
+    # Busy, the engine answers its health check late: wait for Consul to pass it again.
+    e.router.wait_ready(MODEL, 1, timeout=30)
+
+    socks = [never_reading_stream(e.router.url, body) for _ in range(20)]
     try:
-        e.router.expect_metric(
-            "llmgw_router_early_ends_total", 20, timeout=150, model=MODEL, kind="stopped_reading"
+        sent = time.monotonic()
+        wait_until(
+            lambda: sum(e.router.app.balancer.outstanding.values()) == 20, 30, "twenty streams upstream"
         )
-        e.settles(15, "twenty streams that never read")
+        time.sleep(0.5)
+        answers_within(e.server.url, 20 * one * 3 + 30)
+        waited = time.monotonic() - sent
+        assert waited < 20 * one * 1.5 + 5, f"answered {waited:.1f}s after the twenty; one takes {one:.1f}s"
+        assert cpu_share(e.pid, 1.5) < 0.25
+        # The stalled clients are dropped at the write deadline, their answers with them.
+        e.router.expect_metric(
+            "llmgw_router_early_ends_total", 20, timeout=60, model=MODEL, kind="stopped_reading"
+        )
         assert e.router.app.balancer.outstanding == {}
+        assert e.router.metric("llmgw_router_backlog_bytes") == 0
     finally:
         for sock in socks:
             sock.close()
+
+
+def test_a_client_that_never_reads_a_long_answer_holds_the_engine_no_longer_than_its_generation(
+    engine: Callable[..., Engine],
+) -> None:
+    """An answer larger than the buffers between engine and router: before the router read
+    streams ahead of their clients, the engine's writes blocked once those were full and its
+    slot stayed taken until the write deadline (30 s) dropped the client. Read ahead, the
+    engine finishes at its own pace and answers anyone else while the stalled client is still
+    connected; the router holds the answer (at most 4 MiB; the rest waits in the kernel)."""
+    e = engine()
+    body = chat_body(**HUGE)
+    # The engine's own time for the answer, read straight from it.
+    started = time.monotonic()
+    assert read_stream(e.server.url, body) > 5_000_000
+    one = time.monotonic() - started
+    e.router.wait_ready(MODEL, 1, timeout=30)
+
+    sock = never_reading_stream(e.router.url, body)
+    try:
+        sent = time.monotonic()
+        wait_until(
+            lambda: e.router.metric("llmgw_router_time_to_first_byte_seconds_count", model=MODEL) == 1,
+            30,
+            "the stream to start",
+        )
+        answers_within(e.server.url, 60)
+        waited = time.monotonic() - sent
+        assert waited < one * 2 + 5, f"answered {waited:.1f}s after the stalled stream; one takes {one:.1f}s"
+        assert cpu_share(e.pid, 1.5) < 0.25
+        # Freed by reading ahead, not by dropping the client: that comes at the deadline.
+        assert e.early_ends("stopped_reading") == 0
+        assert e.router.metric("llmgw_router_backlog_bytes") > 3 * 1024 * 1024
+        e.router.expect_metric(
+            "llmgw_router_early_ends_total", 1, timeout=45, model=MODEL, kind="stopped_reading"
+        )
+        assert e.router.metric("llmgw_router_backlog_bytes") == 0
+    finally:
+        sock.close()

@@ -99,7 +99,7 @@ async def test_a_stream_that_outlives_idle_timeout_completes_and_its_replica_sta
         await until(
             lambda: httpx.get(f"{standin.url}/v1/job/llmgw-tiny", timeout=5).status_code == 200, 30, "job"
         )
-        router = start_router(consul_url, activation=True, nomad_url=standin.url, activity_interval_s=1.0)
+        router = start_router(consul_url, activation=True, activity_interval_s=1.0)
         client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="none", max_retries=0, timeout=420)
 
         # The first request starts the model (activation); then the stream under test.

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import base64
 import json
 import time
 from collections.abc import Callable
@@ -11,6 +10,7 @@ from pathlib import Path
 import httpx
 
 from devstack.consul_agent import ConsulAgent
+from nomad_driver.consul import KVEntry
 from router.discovery import parse_health, parse_states
 from tests.router.conftest import (
     StartRouter,
@@ -81,8 +81,8 @@ def test_the_model_comes_from_meta_or_the_model_tag_and_the_address_falls_back_t
 
 
 def test_a_malformed_state_value_is_ignored_and_the_others_are_read() -> None:
-    def kv(key: str, value: bytes) -> dict[str, object]:
-        return {"Key": key, "Value": base64.b64encode(value).decode()}
+    def kv(key: str, value: bytes) -> KVEntry:
+        return KVEntry(key, value, modify_index=1)
 
     states = parse_states(
         [

@@ -20,6 +20,7 @@ from devstack import lifetime
 from devstack.ports import free_port
 from nomad_driver.cli.app import app as cli_app
 from router.config import ConfigError, Timeouts, from_env, load_api_keys, normalise_addr, parse_listen
+from router.proxy import BACKLOG_BYTES
 from tests.router.conftest import StartRouter, StartStub, register_replica, wait_until, write_self_signed
 
 
@@ -236,6 +237,46 @@ def test_clients_that_stop_reading_are_dropped_at_the_send_deadline(
         # Their replica's requests went with them: nothing is left open on the stub.
         assert router.app.balancer.outstanding == {}
         assert httpx.post(f"{router.url}/v1/chat/completions", json=chat(), timeout=10).status_code == 200
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def test_a_stream_is_read_ahead_of_a_client_that_does_not_read_up_to_its_bound_and_no_further(
+    consul_url: str, stub_engine: StartStub, start_router: StartRouter
+) -> None:
+    """The router keeps reading a replica's stream while its client is slow, so the engine is not
+    held by it, but only up to the backlog bound: past that the engine waits for the client, and
+    at the write deadline both go."""
+    endless = stub_engine("endless", chunks=1_000_000)
+    register_replica(consul_url, "alpha", endless.port, "alpha-endless")
+    router = start_router(consul_url, timeouts=Timeouts(client_send_s=8.0))
+    router.wait_ready("alpha", 1)
+
+    def held() -> float:
+        return router.metric("llmgw_router_backlog_bytes")
+
+    socks = [never_reading_stream(router.url) for _ in range(2)]
+    try:
+        # Each stream is read ahead of its client to the bound: the engine was not held back...
+        wait_until(lambda: held() >= 2 * BACKLOG_BYTES, 8, "two full backlogs")
+        # ...and not past it (one chunk over at most): the engine waits now.
+        for _ in range(10):
+            assert held() <= 2 * (BACKLOG_BYTES + 256 * 1024), held()
+            time.sleep(0.1)
+        router.expect_metric(
+            "llmgw_router_early_ends_total", 2, timeout=15, model="alpha", kind="stopped_reading"
+        )
+        assert held() == 0
+
+        # The engine's own view: both streams were cut off, having sent little past the bound.
+        def ended() -> list[str]:
+            return [line for line in endless.log.read_text().splitlines() if "client gone" in line]
+
+        wait_until(lambda: len(ended()) == 2, 10, "the stub to see both streams end")
+        for line in ended():
+            # Measured: 8.2 MB, the 4 MiB backlog and about as much in the kernel's buffers.
+            assert int(line.split()[-2]) < BACKLOG_BYTES + 12 * 1024 * 1024, line
     finally:
         for sock in socks:
             sock.close()

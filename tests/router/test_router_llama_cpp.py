@@ -13,9 +13,10 @@ import openai
 import pytest
 import yaml
 
+from devstack.llama_cpp import llama_cpp_node
 from nomad_driver.render import render_job
 from nomad_driver.spec import parse_models
-from tests.fixtures.llama_cpp import llama_cpp_models, llama_cpp_node
+from tests.fixtures.llama_cpp import llama_cpp_models
 from tests.router.conftest import StartRouter, put_kv
 
 

@@ -242,7 +242,10 @@ async def test_a_missing_binary_is_a_driver_failure_that_is_not_retried(harness:
 
 
 SPAWNER = """
-    import os, subprocess, sys, time
+    import os, signal, subprocess, sys, time
+    # A test run started in the background (nohup, `&`) ignores SIGINT, and children inherit
+    # that: take Python's own handler back so the kill signal ends this task as it would anywhere.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
     with open(os.path.join(os.environ["NOMAD_ALLOC_DIR"], "data", "pids"), "w") as f:
         f.write(f"{os.getpid()} {child.pid}")
@@ -261,6 +264,9 @@ async def read_pids(harness: Harness, alloc_id: str) -> list[int]:
 
 async def test_stop_kills_the_whole_process_tree_and_completes_the_alloc(harness: Harness) -> None:
     task = raw_exec_task("engine", sys.executable, [harness.script("spawn.py", SPAWNER)])
+    # The harness clock runs 50x: Nomad's default 5 s kill timeout would be 0.1 s of real time,
+    # tight on a loaded machine. 5 real seconds here.
+    task["KillTimeout"] = 250 * 1_000_000_000
     alloc_id = harness.run(make_job([task]))
     await wait_alloc(harness.store, alloc_id, lambda a: a["ClientStatus"] == "running")
     pids = await read_pids(harness, alloc_id)

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import requests
 
+from devstack.nomad.encode import parse_rfc3339_ns
 from tests.fixtures.nomad import StandIn
 from tests.standin.api_helpers import NO_DEPLOYMENTS, SECOND, eval_done, live_allocs, mock_job, wait_for
 
@@ -339,6 +340,55 @@ def test_promote_pause_and_unknown_deployments(api: Api) -> None:
     missing = requests.get(f"{api.url}/v1/deployment/no-such-id", timeout=10)
     assert (missing.status_code, missing.text) == (404, "deployment not found")
     assert api.get("/v1/job/no-such-job/deployment") is None
+
+
+def test_promoting_a_deployment_without_canaries_succeeds_as_nomad_does(api: Api) -> None:
+    """Nomad has no "no canaries to promote" refusal: `StateStore.UpdateDeploymentPromotion`
+    skips groups that want no canaries, marks the named groups promoted, pushes their progress
+    deadline out by a full ProgressDeadline and stores the watcher's evaluation. Nomad's
+    `nomad deployment promote` on a rolling update therefore succeeds, and so does the stand-in."""
+    api.register(mock_job("plain", count=1, **SLOW))
+    running = wait_for(
+        lambda: (
+            (d := api.deployment_with("plain", "running"))
+            and parse_rfc3339_ns(d["TaskGroups"]["g"]["RequireProgressBy"])
+            and d
+        ),
+        20,
+        "a running deployment with a progress deadline",
+    )
+    before = parse_rfc3339_ns(running["TaskGroups"]["g"]["RequireProgressBy"])
+    asked = time.time_ns()
+    promoted = api.post(
+        f"/v1/deployment/promote/{running['ID']}", {"DeploymentID": running["ID"], "All": True}
+    )
+    assert promoted.status_code == 200, promoted.text
+    assert set(promoted.json()) == UPDATE_RESPONSE_FIELDS
+    evaluation = eval_done(api.client, promoted.json()["EvalID"])
+    assert (evaluation["TriggeredBy"], evaluation["DeploymentID"]) == ("deployment-watcher", running["ID"])
+    got = api.deployment("plain")
+    assert got is not None
+    state = got["TaskGroups"]["g"]
+    assert (got["Status"], state["Promoted"], state["DesiredCanaries"]) == ("running", True, 0)
+    # Reset from the promotion on: the stand-in's clock runs SPEED times faster than real time.
+    after = parse_rfc3339_ns(state["RequireProgressBy"])
+    assert after > before and after >= asked + 120 * MINUTE // int(SPEED) - 5 * SECOND
+
+
+def test_promote_and_pause_need_the_deployment_id_in_the_body_and_refuse_a_finished_deployment(
+    api: Api,
+) -> None:
+    api.register(mock_job("finished", count=1))
+    finished = api.deployment_with("finished", "successful", timeout=30)
+    for action in ("promote", "pause"):
+        missing = api.post(f"/v1/deployment/{action}/{finished['ID']}", {"All": True})
+        assert (missing.status_code, missing.text) == (400, "DeploymentID must be specified"), action
+    terminal = api.post(
+        f"/v1/deployment/promote/{finished['ID']}", {"DeploymentID": finished["ID"], "All": True}
+    )
+    assert (terminal.status_code, terminal.text) == (500, "can't promote terminal deployment")
+    unknown = api.post("/v1/deployment/promote/no-such-id", {"DeploymentID": "no-such-id", "All": True})
+    assert (unknown.status_code, unknown.text) == (500, "deployment not found")
 
 
 def _all_allocs(api: Api, job_id: str) -> list[dict[str, Any]]:

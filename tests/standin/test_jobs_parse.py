@@ -352,3 +352,231 @@ def test_what_the_parser_does_not_know_is_refused_by_name(standin: StandIn, hcl:
     response = parse(standin, {"JobHCL": hcl})
     assert response.status_code == 400, response.text
     assert response.text.startswith("Failed to parse job: ") and named in response.text
+
+
+# Every attribute of the blocks the parser used to read only in part (service, check, network and
+# port, resources and device, template, artifact, ephemeral_disk, constraint shorthand), under the
+# API names of Nomad's api/ structs (`ServiceCheck`, `CheckRestart`, `Port`, `Resources`,
+# `Template`, `TaskArtifact`, `EphemeralDisk`).
+FULL_BLOCKS = """
+job "full" {
+  meta = { team = "ml" }
+  constraint {
+    distinct_hosts = true
+  }
+  constraint {
+    attribute = "${attr.kernel.name}"
+    regexp    = "linux|darwin"
+  }
+  constraint {
+    distinct_property = "${meta.rack}"
+  }
+  group "g" {
+    network {
+      mode     = "bridge"
+      hostname = "engine"
+      port "http" {
+        to           = 8080
+        host_network = "public"
+      }
+      port "admin" {
+        static           = 9000
+        ignore_collision = true
+      }
+      dns {
+        servers = ["10.0.0.53"]
+      }
+    }
+    service {
+      name         = "web"
+      port         = "http"
+      address_mode = "alloc"
+      on_update    = "ignore"
+      canary_tags  = ["canary"]
+      check_restart {
+        limit = 3
+        grace = "90s"
+      }
+      check {
+        type                     = "http"
+        path                     = "/health"
+        interval                 = "5s"
+        timeout                  = "1s"
+        method                   = "POST"
+        body                     = "{}"
+        success_before_passing   = 2
+        failures_before_critical = 4
+        tls_skip_verify          = true
+        header {
+          Authorization = ["Basic x"]
+        }
+        check_restart {
+          limit           = 2
+          ignore_warnings = true
+        }
+      }
+    }
+    ephemeral_disk {
+      sticky  = true
+      migrate = true
+      size    = 500
+    }
+    task "t" {
+      driver = "mock_driver"
+      env = { MODE = "fast" }
+      resources {
+        cpu        = 500
+        cores      = 2
+        memory     = 256
+        memory_max = 512
+        disk       = 100
+        device "nvidia/gpu" {
+          count = 2
+          affinity {
+            attribute = "${device.model}"
+            regexp    = "H100"
+            weight    = 75
+          }
+        }
+        numa {
+          affinity = "prefer"
+        }
+      }
+      template {
+        data          = "x={{ env \\"NOMAD_ALLOC_ID\\" }}"
+        destination   = "local/x.env"
+        change_mode   = "signal"
+        change_signal = "SIGHUP"
+        splay         = "3s"
+        perms         = "0600"
+        wait {
+          min = "2s"
+          max = "10s"
+        }
+      }
+      artifact {
+        source      = "https://example.com/model.gguf"
+        destination = "local/model"
+        mode        = "file"
+        insecure    = false
+        chown       = true
+        headers {
+          Authorization = "Bearer t"
+        }
+        options {
+          checksum = "sha256:abc"
+        }
+      }
+    }
+  }
+}
+"""
+
+
+def test_every_attribute_of_services_networks_resources_templates_and_artifacts_is_kept(
+    standin: StandIn,
+) -> None:
+    response = parse(standin, {"JobHCL": FULL_BLOCKS})
+    assert response.status_code == 200, response.text
+    job = response.json()
+    assert job["Meta"] == {"team": "ml"}
+    assert job["Constraints"] == [
+        {"LTarget": "", "RTarget": "true", "Operand": "distinct_hosts"},
+        {"LTarget": "${attr.kernel.name}", "RTarget": "linux|darwin", "Operand": "regexp"},
+        {"LTarget": "${meta.rack}", "RTarget": "", "Operand": "distinct_property"},
+    ]
+    (group,) = job["TaskGroups"]
+    (network,) = group["Networks"]
+    assert (network["Mode"], network["Hostname"], network["DNS"]) == (
+        "bridge",
+        "engine",
+        {"Servers": ["10.0.0.53"]},
+    )
+    assert network["DynamicPorts"] == [{"Label": "http", "Value": 0, "To": 8080, "HostNetwork": "public"}]
+    assert network["ReservedPorts"] == [{"Label": "admin", "Value": 9000, "To": 0, "IgnoreCollision": True}]
+    (service,) = group["Services"]
+    assert (service["AddressMode"], service["OnUpdate"], service["CanaryTags"]) == (
+        "alloc",
+        "ignore",
+        ["canary"],
+    )
+    assert service["CheckRestart"] == {"Limit": 3, "Grace": 90 * S}
+    (check,) = service["Checks"]
+    assert check["Header"] == {"Authorization": ["Basic x"]}
+    assert check["CheckRestart"] == {"Limit": 2, "IgnoreWarnings": True}
+    assert (check["Interval"], check["Timeout"], check["Method"], check["Body"]) == (5 * S, S, "POST", "{}")
+    assert (check["SuccessBeforePassing"], check["FailuresBeforeCritical"], check["TLSSkipVerify"]) == (
+        2,
+        4,
+        True,
+    )
+    assert group["EphemeralDisk"] == {"Sticky": True, "Migrate": True, "SizeMB": 500}
+    (task,) = group["Tasks"]
+    assert task["Env"] == {"MODE": "fast"}
+    resources = task["Resources"]
+    assert {k: resources[k] for k in ("CPU", "Cores", "MemoryMB", "MemoryMaxMB", "DiskMB")} == {
+        "CPU": 500, "Cores": 2, "MemoryMB": 256, "MemoryMaxMB": 512, "DiskMB": 100,
+    }  # fmt: skip
+    assert resources["NUMA"] == {"Affinity": "prefer"}
+    assert resources["Devices"] == [
+        {
+            "Name": "nvidia/gpu",
+            "Count": 2,
+            "Constraints": None,
+            "Affinities": [
+                {"LTarget": "${device.model}", "RTarget": "H100", "Operand": "regexp", "Weight": 75}
+            ],
+        }
+    ]
+    (template,) = task["Templates"]
+    assert (template["ChangeMode"], template["ChangeSignal"], template["Splay"], template["Perms"]) == (
+        "signal", "SIGHUP", 3 * S, "0600",
+    )  # fmt: skip
+    assert template["Wait"] == {"Min": 2 * S, "Max": 10 * S}
+    assert template["EmbeddedTmpl"] == 'x={{ env "NOMAD_ALLOC_ID" }}'
+    (artifact,) = task["Artifacts"]
+    assert artifact == {
+        "GetterSource": "https://example.com/model.gguf",
+        "RelativeDest": "local/model",
+        "GetterMode": "file",
+        "GetterInsecure": False,
+        "Chown": True,
+        "GetterOptions": {"checksum": "sha256:abc"},
+        "GetterHeaders": {"Authorization": "Bearer t"},
+    }
+
+    # Canonicalised, a service's check_restart reaches its check, under the check's own.
+    canonical = parse(standin, {"JobHCL": FULL_BLOCKS, "Canonicalize": True}).json()
+    (check,) = canonical["TaskGroups"][0]["Services"][0]["Checks"]
+    assert check["CheckRestart"] == {"Limit": 2, "Grace": S, "IgnoreWarnings": True}
+    assert canonical["TaskGroups"][0]["Tasks"][0]["Resources"]["MemoryMaxMB"] == 512
+
+
+@pytest.mark.parametrize(
+    ("block", "named"),
+    [
+        ("service {\n connect {\n }\n}", "service has connect"),
+        ('service {\n check {\n  grpc_services = "x"\n }\n}', "check has grpc_services"),
+        ("service {\n check {\n  check_restart {\n   limits = 1\n  }\n }\n}", "check_restart has limits"),
+        ('network {\n port "p" {\n  statik = 80\n }\n}', "port has statik"),
+        ("network {\n cni {\n }\n}", "network has cni"),
+        ("ephemeral_disk {\n size_mb = 1\n}", "ephemeral_disk has size_mb"),
+        ('task "t" {\n resources {\n  network {\n  }\n }\n}', "resources has network"),
+        ('task "t" {\n resources {\n  device "gpu" {\n   cnt = 1\n  }\n }\n}', "device has cnt"),
+        ('task "t" {\n template {\n  change_sig = "HUP"\n }\n}', "template has change_sig"),
+        ('task "t" {\n artifact {\n  checksum = "x"\n }\n}', "artifact has checksum"),
+        ('constraint {\n set_contains_any = "a"\n}', "constraint has set_contains_any"),
+        ('task "t" {\n resources {\n }\n resources {\n }\n}', "only one resources block"),
+        (
+            'service {\n check {\n  header {\n   X = "one"\n  }\n }\n}',
+            "a header's value is a list of strings",
+        ),
+    ],
+)
+def test_an_unknown_key_in_a_service_network_resources_template_or_artifact_is_refused(
+    standin: StandIn, block: str, named: str
+) -> None:
+    hcl = f'job "x" {{\n group "g" {{\n{block}\n }}\n}}\n'
+    response = parse(standin, {"JobHCL": hcl})
+    assert response.status_code == 400, response.text
+    assert response.text.startswith("Failed to parse job: ") and named in response.text

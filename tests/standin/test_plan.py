@@ -155,6 +155,7 @@ def test_plan_of_a_running_job_counts_its_updates_and_changes_nothing(
     wait_for(lambda: client.job.get_job("web")["Status"] == "running", what="job running")
     job = client.job.get_job("web")
     evals = client.job.get_evaluations("web")
+    allocs = live_allocs(client, "web")
     before = indexes(standin)
 
     same = plan(standin, mock_job("web", count=2), diff=True).json()
@@ -211,7 +212,10 @@ def test_plan_of_a_running_job_counts_its_updates_and_changes_nothing(
         2,
     )
     assert client.job.get_evaluations("web") == evals
-    assert {a["ID"] for a in live_allocs(client, "web")} == {a["ID"] for a in live_allocs(client, "web")}
+    # The same allocations, at the same version: none stopped, replaced or updated in place.
+    assert sorted((a["ID"], a["JobVersion"], a["NodeID"]) for a in live_allocs(client, "web")) == sorted(
+        (a["ID"], a["JobVersion"], a["NodeID"]) for a in allocs
+    )
 
 
 def test_plan_refuses_what_nomad_refuses(standin: StandIn) -> None:
@@ -228,6 +232,12 @@ def test_plan_refuses_what_nomad_refuses(standin: StandIn) -> None:
     assert code == 500 and "Missing task driver" in text
     pooled = mock_job("x")
     pooled["Job"]["NodePool"] = "gpu"
-    assert refused(pooled) == (500, 'job "x" is in nonexistent node pool "gpu"')
+    # Admission validators' refusals come back together as one multierror
+    # (`admissionValidators`), the node pool's first.
+    assert refused(pooled) == (500, '1 error occurred:\n\t* job "x" is in nonexistent node pool "gpu"\n\n')
+    pooled["Job"]["TaskGroups"][0]["Tasks"][0]["Driver"] = ""
+    code, text = refused(pooled)
+    assert code == 500 and text.startswith('2 errors occurred:\n\t* job "x" is in nonexistent node pool')
+    assert "Missing task driver" in text
     resp = requests.get(f"{standin.url}/v1/job/x/plan", timeout=10)
     assert resp.status_code == 405

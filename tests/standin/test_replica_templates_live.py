@@ -110,7 +110,7 @@ def test_the_leader_sees_its_shards_and_restarts_when_they_change(start_standin:
 
         return check
 
-    # Both shards pass their TCP check; the leader was restarted into the list of two.
+    # Both shards registered; the leader was restarted into the list of two.
     lines, before = wait_for("the leader to list two shards", listed(2), 90)
     shards = lines[-1][len("shards=") :].split(",")
     assert all(s.startswith("127.0.0.1:") for s in shards)
@@ -124,7 +124,17 @@ def test_the_leader_sees_its_shards_and_restarts_when_they_change(start_standin:
         timeout=10,
     )
     assert scaled.status_code == 200, scaled.text
-    _, after = wait_for("the leader to list one shard", listed(1), 90)
+    lines, _ = wait_for("the leader to list one shard", listed(1), 90)
+
+    # The log is the task's own file, read at once; its state reaches the server in the client's
+    # next batched update (as Nomad's client sends them), so the restart shows there a moment later.
+    def restart_reported() -> Any:
+        _, state = leader_output(standin.url, job["ID"])
+        # Each start printed one line: the state is caught up once it counts as many restarts.
+        caught_up = state["Restarts"] == len(lines) - 1 and state["State"] == "running"
+        return state if caught_up else None
+
+    after = wait_for("the leader's restart in its task state", restart_reported, 30)
     signaled = [e for e in after["Events"] if e["Type"] == "Restart Signaled"]
     assert signaled and all("template" in e["DisplayMessage"] for e in signaled)
     # Template restarts do not count against the restart policy (one attempt in it): the leader
