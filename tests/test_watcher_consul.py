@@ -132,3 +132,22 @@ async def test_retry_on_the_leader_unparks_through_a_fenced_write(
     state = parse_state("k", entries[0].value)
     assert not state.parked and state.consecutive_failures == 0
     await until(lambda: not follower.decisions["kev"].state.parked, 10, "follower sees the retry", every=0.05)
+
+
+async def test_a_retry_right_after_the_state_changed_in_consul_unparks_instead_of_saying_try_again(
+    two_watchers: tuple[Watcher, Watcher],
+) -> None:
+    # The state changes under the leader (a pass's write, or anyone's) and the operator retries
+    # before the leader's KV watch has seen it: the check-and-set against the old index must
+    # not become "could not write; try again" for an operator who did nothing wrong.
+    leader, _ = two_watchers
+    for round_ in range(5):
+        again = ModelState(
+            parked=True, consecutive_failures=5, last_error=f"boom {round_}", parked_def_hash=KEV_HASH
+        )
+        await leader.consul.kv_put(state_key("kev"), again.to_kv())
+        state = await leader.retry("kev")
+        assert not state.parked
+        _, entries = await leader.consul.kv_get(state_key("kev"))
+        stored = parse_state("k", entries[0].value)
+        assert not stored.parked and stored.consecutive_failures == 0, round_

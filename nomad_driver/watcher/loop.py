@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -75,6 +76,10 @@ from nomad_driver.watcher.watch import (
 )
 
 log = logging.getLogger("llmgw.watcher")
+
+# A retry whose check-and-set loses reads the key again: only a writer outside llmgw racing it
+# three times running is told to try again.
+RETRY_WRITE_ATTEMPTS = 3
 
 
 def _busy_floor(
@@ -526,15 +531,31 @@ class Watcher:
 
     async def retry(self, model: str) -> ModelState:
         """`llmgw ctl retry`: clear the count and unpark; the next pass restores replicas."""
-        if not self.leadership.is_leader:
-            raise NotLeader(self.leadership.leader)
-        views = self.build_views()
-        if model not in views:
-            raise UnknownModel(model)
-        view = views[model]
-        state = retried(view)
-        if not await self.states.write(model, state, view.state_index):
-            raise ConsulUnavailable(f"could not write {state_key(model)}; try again")
-        log.info("event=retried model=%s", model)
-        self.wake()
-        return state
+        # Under the pass's lock and from the key as Consul holds it now: a pass's write in
+        # flight, or a change the KV snapshot does not show yet, would otherwise fail the
+        # check-and-set and tell the operator to try again for nothing.
+        async with self._apply_lock:
+            for _ in range(RETRY_WRITE_ATTEMPTS):
+                if not self.leadership.is_leader:
+                    raise NotLeader(self.leadership.leader)
+                views = self.build_views()
+                if model not in views:
+                    raise UnknownModel(model)
+                view = await self._with_stored_state(views[model])
+                state = retried(view)
+                if await self.states.write(model, state, view.state_index):
+                    log.info("event=retried model=%s", model)
+                    self.wake()
+                    return state
+        raise ConsulUnavailable(f"could not write {state_key(model)}; try again")
+
+    async def _with_stored_state(self, view: ModelView) -> ModelView:
+        key = state_key(view.model.name)
+        _, entries = await self.consul.kv_get(key)
+        if not entries:
+            return dataclasses.replace(view, state=None, state_index=0)
+        try:
+            state: ModelState | None = parse_state(key, entries[0].value)
+        except MalformedState:
+            state = None  # replaced whole, as a pass replaces it
+        return dataclasses.replace(view, state=state, state_index=entries[0].modify_index)
