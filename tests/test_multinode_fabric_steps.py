@@ -282,3 +282,38 @@ def test_a_watcher_that_saw_the_shard_fail_first_counts_the_leaders_abort_that_f
     )
     assert d.state.consecutive_failures == 1
     assert d.state.last_error.startswith("shard 5hard-1 on node ib-a-1")
+
+
+def test_a_replica_restarted_whole_whose_new_shard_dies_before_its_leader_starts_names_the_shard() -> None:
+    # The watcher stopped the stuck replica and Nomad placed a new one. Its shard registers and
+    # dies before the new leader has started; the leader renders the dead shard's address and
+    # llama-server aborts with a backtrace. That start failed because of the shard, and says so,
+    # as does the one after it that the same crash-looping shard fails.
+    room = rooms({"ib-a": 3})
+    old = leader(
+        "lead0", ev("Started", 10), ev("Killing", 60), ev("Terminated", 61, DisplayMessage="Exit Code: 0")
+    )
+    old = {**old, "DesiredStatus": "stop", "ClientStatus": "complete"}
+    old_shard = {**shard("5hard-0", "ib-a-1", *crash(12), ev("Restarting", 14)), "DesiredStatus": "stop"}
+    new = leader(
+        "lead1",
+        ev("Started", 100),
+        ev("Terminated", 101, DisplayMessage="Exit Code: 134"),
+        ev("Restarting", 101),
+        ev("Started", 103),  # waiting for its shard again
+    )
+    new_shard = shard("5hard-1", "ib-a-2", *crash(95), ev("Restarting", 97), *crash(105), status="running")
+    d = reconcile(view(job=pinned_job("ib-a"), allocs=(old, old_shard, new, new_shard), fabric_rooms=room))
+    assert d.state.consecutive_failures == 3
+    assert d.state.last_error == "shard 5hard-1 on node ib-a-2: Exit Code: 1"
+    # The abort itself, read on its own (the shard's second death not yet seen), names it too.
+    aborted = leader(
+        "lead1",
+        ev("Started", 100),
+        ev("Terminated", 101, DisplayMessage="Exit Code: 134"),
+        ev("Restarting", 101),
+    )
+    once = shard("5hard-1", "ib-a-2", *crash(95), ev("Restarting", 97), status="running")
+    d = reconcile(view(job=pinned_job("ib-a"), allocs=(old, old_shard, aborted, once), fabric_rooms=room))
+    assert d.state.consecutive_failures == 2
+    assert d.state.last_error == "shard 5hard-1 on node ib-a-2: Exit Code: 1"

@@ -6,7 +6,10 @@ leaves the leader waiting in one long start that never fails by itself, and coun
 leader's exits would never park it. A replica start is therefore one start of the leader, and
 it failed when the leader failed or when any shard failed during it: counted once, whichever
 shard failed, and the shard (its allocation, node and words) named as the cause. A leader
-that restarts in place into a shard already dead and aborts is that same failed start.
+that restarts in place into a shard already dead and aborts is that same failed start. A
+leader that starts while a shard is down between its restarts (its group service stays
+registered, so the leader is given its address) and aborts failed because of that shard too,
+and is named for it.
 
 Pure, like the rest of the count: a function of Nomad's allocations alone.
 """
@@ -80,6 +83,12 @@ def replica_starts(allocs: Iterable[Mapping[str, Any]]) -> ReplicaStarts:
         i = max(0, bisect.bisect_right(times, failure.time_ns) - 1)
         causes.setdefault(leader[i].ident, failure)
     absorbed = _aborts_into_dead_shards(leader, causes)
+    down = _DownShards(allocs)
+    for s in leader:
+        if s.ended and s.failed and s.ident not in causes and s.ident not in absorbed:
+            down_then = down.at(s.time_ns)
+            if down_then is not None:
+                causes[s.ident] = down_then
     starts = []
     for s in leader:
         cause = causes.get(s.ident)
@@ -96,6 +105,35 @@ def replica_starts(allocs: Iterable[Mapping[str, Any]]) -> ReplicaStarts:
             )
         starts.append(s)
     return ReplicaStarts(tuple(starts), causes)
+
+
+class _DownShards:
+    """Which shard was down but still to restart at a given moment: its last start before it
+    had failed and its next had not begun. Its group service outlives the task's restarts, so
+    a leader starting then is handed the dead shard's address and llama-server aborts."""
+
+    def __init__(self, allocs: Iterable[Mapping[str, Any]]) -> None:
+        self._shards: list[tuple[str, bool, list[Start]]] = []
+        for alloc in allocs:
+            if is_shard(alloc):
+                node = str(alloc.get("NodeName") or alloc.get("NodeID") or "")
+                live = alloc.get("ClientStatus") in ("pending", "running")
+                self._shards.append((node, live, sorted(starts_of(alloc), key=lambda s: s.time_ns)))
+
+    def at(self, time_ns: int) -> ShardFailure | None:
+        newest: ShardFailure | None = None
+        for node, live, starts in self._shards:
+            before = [s for s in starts if s.time_ns <= time_ns]
+            if not before:
+                continue
+            last = before[-1]
+            ended_ns = last.ended_ns or last.time_ns
+            restarts_after = len(before) < len(starts) or live
+            if last.ended and last.failed and ended_ns <= time_ns and restarts_after:
+                failure = ShardFailure(last.alloc_id, node, last.task, ended_ns, last.error)
+                if newest is None or failure.time_ns > newest.time_ns:
+                    newest = failure
+        return newest
 
 
 def _aborts_into_dead_shards(leader: list[Start], causes: Mapping[StartId, ShardFailure]) -> set[StartId]:

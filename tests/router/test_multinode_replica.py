@@ -247,7 +247,10 @@ async def test_a_shard_that_cannot_start_parks_the_model_after_five_replica_star
         # Five replica starts, each restarted whole by the watcher, not the shard's many exits.
         assert state.consecutive_failures == 5
         # The cause is the shard's: which allocation, on which node, in its own words.
-        assert state.last_error.startswith("shard "), state.last_error
+        assert state.last_error.startswith("shard "), (
+            state.last_error,
+            task_events(nomad, "llmgw-shardless"),
+        )
         assert " on node ib-a-" in state.last_error
         assert "no CUDA-capable device is detected" in state.last_error
         job = nomad.get_job("llmgw-shardless")
@@ -257,6 +260,16 @@ async def test_a_shard_that_cannot_start_parks_the_model_after_five_replica_star
         await watcher.stop()
         await watcher.consul.close()
         await consul.close()
+
+
+def task_events(nomad: Any, job_id: str) -> list[tuple[str, str, str, list[tuple[int, str, str]]]]:
+    """Each allocation's task events, for a failure message that shows the order Nomad saw."""
+    out = []
+    for alloc in nomad.request_json("job", job_id, "allocations"):
+        for task, st in (alloc.get("TaskStates") or {}).items():
+            events = [(e["Time"], e["Type"], e.get("DisplayMessage", "")) for e in st.get("Events") or []]
+            out.append((alloc["ID"][:8], alloc["TaskGroup"], task, events))
+    return out
 
 
 def fabric_node(name: str, fabric: str, engines: Path) -> dict[str, Any]:
