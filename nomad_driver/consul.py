@@ -376,6 +376,23 @@ class Consul:
             raise ConsulUnavailable(f"consul health {service}: expected a list")
         return self._index(resp, index), [e for e in data if isinstance(e, dict)]
 
+    async def read_list(
+        self,
+        path: str,
+        *,
+        index: int = 0,
+        wait_s: float | None = None,
+        params: Mapping[str, str] | None = None,
+    ) -> tuple[int, list[dict[str, Any]]]:
+        """A read answered by a JSON list of objects, blocking past `index`. The caller spells
+        out the path, so the call (and the grant it needs) is found where it is made."""
+        query: dict[str, Any] = {**_blocking(index, wait_s), **(params or {})}
+        resp = await self._call("GET", path, params=query, wait_s=wait_s if index else None)
+        data = self._json(resp, path)
+        if not isinstance(data, list):
+            raise ConsulUnavailable(f"consul {path}: expected a list, got {type(data).__name__}")
+        return self._index(resp, index), [e for e in data if isinstance(e, dict)]
+
     async def health_node(self, node: str) -> list[dict[str, Any]]:
         resp = await self._call("GET", f"/v1/health/node/{node}")
         data = self._json(resp, f"health node {node}")

@@ -582,12 +582,15 @@ class RouterApp:
         log.warning("replica %s of %s failed (%s): %s", replica.id, replica.model, phase, detail)
 
     def _snapshot_changed(self, before: Snapshot, after: Snapshot) -> None:
-        for replica_id, replica in before.by_id.items():
-            if replica_id not in after.by_id:
-                self.balancer.forget(replica.model, replica_id)
-                for path in PROXY_PATHS:
-                    self._urls.pop((replica.host, replica.port, path), None)
-        for model in set(after.models) - self._seen_models:
+        # Called at every change of Consul's: set differences, not a walk over the fleet.
+        for replica_id in before.by_id.keys() - after.by_id.keys() if before.by_id is not after.by_id else ():
+            replica = before.by_id[replica_id]
+            self.balancer.forget(replica.model, replica_id)
+            for path in PROXY_PATHS:
+                self._urls.pop((replica.host, replica.port, path), None)
+        if before.models is after.models:
+            return
+        for model in after.models.keys() - self._seen_models:
             self.metrics.ensure_model(model)
             self._seen_models.add(model)
 

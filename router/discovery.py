@@ -1,6 +1,7 @@
-"""What the router knows about the fleet: replicas from Consul's health API, model state and
-model definitions from Consul KV, each kept current by its own blocking-query loop
-(`nomad_driver.blocking.Watch`, the watcher's, over the one Consul client, `nomad_driver.consul`).
+"""What the router knows about the fleet: replicas from Consul's catalog and its checks that are
+not passing (router/catalog.py), model state and model definitions from Consul KV, each kept
+current by its own blocking-query loop (`nomad_driver.blocking.Watch`, the watcher's, over the
+one Consul client, `nomad_driver.consul`).
 
 Requests read the latest immutable `Snapshot` and never wait on Consul. When Consul goes away
 the loops keep retrying with jittered backoff and the router keeps serving from the snapshot it
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -24,35 +26,37 @@ from nomad_driver.blocking import Watch
 from nomad_driver.consul import Consul, ConsulError, ConsulUnavailable, KVEntry
 from nomad_driver.spec import Model, SpecError, decode_models_text, parse_models, problem_line
 from nomad_driver.state import CONFIG_MODELS_KEY, STATE_PREFIX, MalformedState, ModelState, parse_state
+from router.catalog import Fleet, Key, Replica, health_statuses, parse_instances, parse_not_passing
 from router.config import ConsulSettings
 
 log = logging.getLogger("llmgw.router.discovery")
 
+# The checks discovery reads: the engines' and the nodes' own (serfHealth, maintenance) that are
+# not passing; a large cluster's other failing services are not the router's to read.
+NOT_PASSING = 'Status != "passing" and (ServiceName == "{service}" or ServiceID == "")'
+# Past this many instances to confirm, one unfiltered read of the service is cheaper than a
+# filter Consul must evaluate term by term.
+CONFIRM_FILTER_MAX = 50
+
 # `ConsulUnavailable` is the shared client's; router modules name it from here, beside the
 # snapshot it guards.
-__all__ = ["ConsulUnavailable", "Discovery", "Replica", "Snapshot", "parse_health", "parse_states"]
+__all__ = ["ConsulUnavailable", "Discovery", "Replica", "Snapshot", "parse_states"]
 
 
-@dataclass(frozen=True, slots=True)
-class Replica:
-    id: str
-    model: str
-    host: str
-    port: int
-    def_hash: str
-    # passing | warning | critical, the worst of the instance's checks (node checks included).
-    status: str
+@dataclass(frozen=True)
+class InstancesReading:
+    entries: tuple[dict[str, Any], ...]  # the catalog's instances of the engine service
+    checks_index: int
+    checks: tuple[dict[str, Any], ...]  # every check not passing, read right after them
 
-    @property
-    def ready(self) -> bool:
-        # Warning counts as not ready: an engine that says it is degraded should not get new
-        # work while a passing replica exists, and Consul's own `?passing` reads it the same way.
-        return self.status == "passing"
 
-    @property
-    def base_url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+@dataclass(frozen=True)
+class ChecksReading:
+    checks: tuple[dict[str, Any], ...]  # every check not passing
+    # The instances this reading would put back in rotation, and their health read after it
+    # (one missing is gone).
+    checked: frozenset[Key] = frozenset()
+    fresh: Mapping[Key, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -70,59 +74,6 @@ class Snapshot:
         """Defined models, plus any model a replica serves without a definition (an engine
         registered by hand still gets traffic)."""
         return set(self.models) | set(self.replicas)
-
-
-def parse_health(entries: Any) -> dict[str, tuple[Replica, ...]]:
-    """`/v1/health/service/<name>` entries -> replicas by model. Entries without a model or an
-    address are skipped with a log line: one bad registration must not hide the others."""
-    if not isinstance(entries, list):
-        raise ValueError(f"expected a JSON list of service entries, got {type(entries).__name__}")
-    by_model: dict[str, list[Replica]] = {}
-    for entry in entries:
-        try:
-            replica = _replica(entry)
-        except (TypeError, ValueError, AttributeError) as exc:
-            log.warning("skipping malformed llmgw-engine entry %.200r: %s", entry, exc)
-            continue
-        if replica is not None:
-            by_model.setdefault(replica.model, []).append(replica)
-    return {model: tuple(sorted(rs, key=lambda r: r.id)) for model, rs in by_model.items()}
-
-
-def _replica(entry: Mapping[str, Any]) -> Replica | None:
-    service = entry.get("Service") or {}
-    node = entry.get("Node") or {}
-    meta = service.get("Meta") or {}
-    model = meta.get("model") or ""
-    if not model:
-        for tag in service.get("Tags") or ():
-            if isinstance(tag, str) and tag.startswith("model="):
-                model = tag[len("model=") :]
-                break
-    if not model:
-        log.warning("llmgw-engine instance %s has no model meta or model= tag; ignored", service.get("ID"))
-        return None
-    # An empty service address means "the node's address", as Consul's own DNS reads it.
-    host = service.get("Address") or node.get("Address") or ""
-    port = int(service.get("Port") or 0)
-    if not host or port <= 0:
-        log.warning("llmgw-engine instance %s has no address or port; ignored", service.get("ID"))
-        return None
-    statuses = {c.get("Status") for c in entry.get("Checks") or () if isinstance(c, dict)}
-    if statuses - {"passing", "warning"}:
-        status = "critical"
-    elif "warning" in statuses:
-        status = "warning"
-    else:
-        status = "passing"
-    return Replica(
-        id=str(service.get("ID") or f"{host}:{port}"),
-        model=str(model),
-        host=str(host),
-        port=port,
-        def_hash=str(meta.get("def_hash") or ""),
-        status=status,
-    )
 
 
 def parse_states(entries: Iterable[KVEntry]) -> dict[str, ModelState]:
@@ -154,7 +105,7 @@ class Discovery:
         self.settings = settings
         self.models_file = models_file
         self.snapshot = Snapshot()
-        # A pool smaller than the watcher's: three long polls and the activity writes. The
+        # A pool smaller than the watcher's: four long polls and the activity writes. The
         # client outwaits each blocking read (its wait plus Consul's jitter), so a healthy watch
         # is never cut by its own timeout.
         self.consul = Consul(
@@ -164,8 +115,13 @@ class Discovery:
             ssl_context=settings.ssl_context(),
             max_connections=16,
         )
-        self.replica_watch: Watch[tuple[dict[str, Any], ...]] = Watch(
-            "replicas", self._fetch_health, on_change=self._apply_health, logger=log
+        # The instances, each reading with the checks read right after it (so an instance is
+        # never taken for passing before its checks are known), and the checks on their own.
+        self.replica_watch: Watch[InstancesReading] = Watch(
+            "replicas", self._fetch_instances, on_change=self._apply_instances, logger=log
+        )
+        self.checks_watch: Watch[ChecksReading] = Watch(
+            "checks", self._fetch_checks, on_change=self._apply_checks, logger=log
         )
         self.state_watch: Watch[tuple[KVEntry, ...]] = Watch(
             "states", self._fetch_states, on_change=self._apply_states, logger=log
@@ -173,7 +129,11 @@ class Discovery:
         self.models_watch: Watch[KVEntry | None] = Watch(
             "models", self._fetch_models, on_change=self._apply_models, logger=log
         )
-        self.watches = {w.name: w for w in (self.replica_watch, self.state_watch, self.models_watch)}
+        self.watches = {
+            w.name: w for w in (self.replica_watch, self.checks_watch, self.state_watch, self.models_watch)
+        }
+        self.fleet = Fleet()
+        self._checks_index = 0  # of the checks the fleet shows
         self._on_change = on_change
         self._waiters: dict[str, asyncio.Event] = {}
         self._tasks: list[asyncio.Task[None]] = []
@@ -241,11 +201,47 @@ class Discovery:
 
     # -- the loops: one blocking read each (nomad_driver.blocking.Watch runs them) ------------
 
-    async def _fetch_health(self, index: int) -> tuple[int, tuple[dict[str, Any], ...]]:
-        new_index, entries = await self.consul.health_service(
-            self.settings.service, index=index, wait_s=self.settings.wait_s
+    async def _fetch_instances(self, index: int) -> tuple[int, InstancesReading]:
+        # The catalog's index moves when instances come or go, not when a check changes.
+        new_index, entries = await self.consul.read_list(
+            f"/v1/catalog/service/{self.settings.service}", index=index, wait_s=self.settings.wait_s
         )
-        return new_index, tuple(entries)
+        checks_index, checks = await self._read_not_passing(0)
+        return new_index, InstancesReading(tuple(entries), checks_index, tuple(checks))
+
+    async def _fetch_checks(self, index: int) -> tuple[int, ChecksReading]:
+        new_index, checks = await self._read_not_passing(index)
+        not_passing = parse_not_passing(checks)
+        checked: frozenset[Key] = frozenset()
+        fresh: dict[Key, str] = {}
+        # Confirm what this reading would put back in rotation; again if a catalog reading
+        # brought new instances meanwhile. One that is still unconfirmed keeps its standing.
+        for _ in range(3):
+            keys = self.fleet.improving(not_passing)
+            if keys <= checked:
+                break
+            checked |= keys
+            fresh = await self._read_health(set(checked))
+        return new_index, ChecksReading(tuple(checks), checked, fresh)
+
+    async def _read_health(self, keys: set[Key]) -> dict[Key, str]:
+        """The current health of these instances, to confirm one is back before routing to it."""
+        params = {}
+        if len(keys) <= CONFIRM_FILTER_MAX:
+            ids = sorted({service_id for _, service_id in keys})
+            params["filter"] = " or ".join(f"Service.ID == {json.dumps(i)}" for i in ids)
+        _, entries = await self.consul.read_list(f"/v1/health/service/{self.settings.service}", params=params)
+        return health_statuses(entries)
+
+    async def _read_not_passing(self, index: int) -> tuple[int, list[dict[str, Any]]]:
+        """Every check not passing, the nodes' own included: as long as the trouble, whatever
+        the size of the fleet (it wakes at any check's change, and answers only these)."""
+        return await self.consul.read_list(
+            "/v1/health/state/any",
+            index=index,
+            wait_s=self.settings.wait_s if index else None,
+            params={"filter": NOT_PASSING.format(service=self.settings.service)},
+        )
 
     async def _fetch_states(self, index: int) -> tuple[int, tuple[KVEntry, ...]]:
         new_index, entries = await self.consul.kv_get(
@@ -262,12 +258,30 @@ class Discovery:
 
     # -- turning answers into the snapshot ----------------------------------------------------
 
-    def _apply_health(self) -> None:
-        replicas = parse_health(list(self.replica_watch.snapshot.data) if self.replica_watch.snapshot else [])
-        ready = {m: tuple(r for r in rs if r.ready) for m, rs in replicas.items()}
-        ready = {m: rs for m, rs in ready.items() if rs}
-        by_id = {r.id: r for rs in replicas.values() for r in rs}
-        self._publish(replace(self.snapshot, replicas=replicas, ready=ready, by_id=by_id))
+    def _apply_instances(self) -> None:
+        if self.replica_watch.snapshot is None:
+            return
+        reading = self.replica_watch.snapshot.data
+        # Read after the instances, so at least as new as any the checks watch has shown.
+        self._checks_index = reading.checks_index
+        self.fleet.set_instances(parse_instances(reading.entries), parse_not_passing(reading.checks))
+        self._publish_fleet()
+
+    def _apply_checks(self) -> None:
+        if self.checks_watch.snapshot is None:
+            return
+        reading = self.checks_watch.snapshot
+        if reading.index < self._checks_index:
+            return  # older than the checks the last instances reading brought
+        self._checks_index = reading.index
+        data = reading.data
+        changed = self.fleet.set_not_passing(parse_not_passing(data.checks), data.checked, data.fresh)
+        if changed:
+            self._publish_fleet()
+
+    def _publish_fleet(self) -> None:
+        fleet = self.fleet
+        self._publish(replace(self.snapshot, replicas=fleet.replicas, ready=fleet.ready, by_id=fleet.by_id))
 
     def _publish(self, snapshot: Snapshot) -> None:
         before, self.snapshot = self.snapshot, snapshot

@@ -229,7 +229,21 @@ CALLS: dict[Component, tuple[Call, ...]] = {
     "router": (
         # Consul (router/discovery.py, activity.py).
         _consul(
-            "GET", "/v1/health/service/llmgw-engine", "find ready replicas", _ENGINE_READ, _ALL_NODES_READ
+            "GET", "/v1/catalog/service/llmgw-engine", "the engine instances", _ENGINE_READ, _ALL_NODES_READ
+        ),
+        _consul(
+            "GET",
+            '/v1/health/state/any?filter=Status != "passing"',
+            "which instances are not ready",
+            _ENGINE_READ,
+            _ALL_NODES_READ,
+        ),
+        _consul(
+            "GET",
+            '/v1/health/service/llmgw-engine?filter=Service.ID == "<instance>"',
+            "confirm an instance before it is back in rotation",
+            _ENGINE_READ,
+            _ALL_NODES_READ,
         ),
         _consul(
             "GET",

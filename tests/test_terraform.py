@@ -361,7 +361,7 @@ def test_the_policy_check_fails_on_policies_that_are_too_wide_or_too_narrow() ->
     unused = with_rules(consul, 'key_prefix "llmgw/leader" { policy = "read" }')
     assert any("no call of the router" in p for p in acl.check_consul_policy("router", unused))
     no_nodes = {k: v for k, v in consul.items() if k != "node_prefix"}
-    assert any("missing" in p and "health/service" in p for p in acl.check_consul_policy("router", no_nodes))
+    assert any("missing" in p and "catalog/service" in p for p in acl.check_consul_policy("router", no_nodes))
     # An exact rule that shadows a prefix the calls need is a gap, as it is in Consul.
     shadow = with_rules(consul, 'key "llmgw/activity/m1" { policy = "deny" }')
     assert any("activity" in p and "missing" in p for p in acl.check_consul_policy("router", shadow))
@@ -825,8 +825,8 @@ async def test_the_watchers_consul_work_succeeds_under_the_watcher_policy(
 async def test_the_routers_discovery_reads_and_writes_under_the_router_policy(
     acl_consul: tuple[str, str],
 ) -> None:
-    """The router's real discovery: all three watches read (no 403, no silently empty answer) and
-    its one write, the activity timestamp, goes through."""
+    """The router's real discovery: all four watches read (no 403, no silently empty answer: a
+    failing check is seen failing) and its one write, the activity timestamp, goes through."""
     import asyncio
 
     from router.config import ConsulSettings
@@ -850,6 +850,29 @@ async def test_the_routers_discovery_reads_and_writes_under_the_router_policy(
         },
     )
     assert registered.status_code == 200, registered.text
+    failing = consul_request(
+        url,
+        master,
+        "PUT",
+        "/v1/catalog/register",
+        json={
+            "Node": "gpu-3",
+            "Address": "10.0.0.3",
+            "Service": {
+                "ID": "engine-qwen-3",
+                "Service": "llmgw-engine",
+                "Port": 9100,
+                "Meta": {"model": "qwen"},
+            },
+            "Check": {
+                "CheckID": "qwen-3-ready",
+                "Name": "ready",
+                "ServiceID": "engine-qwen-3",
+                "Status": "critical",
+            },
+        },
+    )
+    assert failing.status_code == 200, failing.text
     state = consul_request(url, master, "PUT", "/v1/kv/llmgw/state/qwen", content=b'{"unplaceable": true}')
     assert state.status_code == 200, state.text
     discovery = Discovery(ConsulSettings(addr=url, token=consul_token_for(url, master, "router"), wait_s=2.0))
@@ -861,6 +884,8 @@ async def test_the_routers_discovery_reads_and_writes_under_the_router_policy(
         failing = {w.name: w.error for w in discovery.watches.values() if not w.ok}
         assert not failing, f"router watches refused: {failing}"
         assert "qwen" in discovery.snapshot.ready, "the router's token sees no engine replica"
+        ready = [r.id for r in discovery.snapshot.ready["qwen"]]
+        assert ready == ["engine-qwen"], f"the router's token does not see the failing check: {ready}"
         assert discovery.snapshot.states["qwen"].unplaceable
         await discovery.put_kv("llmgw/activity/qwen", "1764471600")
     finally:

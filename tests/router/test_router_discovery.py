@@ -11,7 +11,8 @@ import httpx
 
 from devstack.consul_agent import ConsulAgent
 from nomad_driver.consul import KVEntry
-from router.discovery import parse_health, parse_states
+from router.catalog import Fleet, parse_instances, parse_not_passing
+from router.discovery import parse_states
 from tests.router.conftest import (
     StartRouter,
     StartStub,
@@ -29,54 +30,116 @@ def entry(
     model: str | None = "m",
     tags: list[str] | None = None,
     address: str = "10.0.0.5",
-    statuses: tuple[str, ...] = ("passing",),
     port: int = 8000,
+    node: str = "n1",
 ) -> dict[str, object]:
+    """One instance as `/v1/catalog/service/llmgw-engine` answers it."""
     return {
-        "Node": {"Node": "n1", "Address": "10.0.0.1"},
-        "Service": {
-            "ID": service_id,
-            "Service": "llmgw-engine",
-            "Tags": tags if tags is not None else [],
-            "Address": address,
-            "Port": port,
-            "Meta": {"model": model, "def_hash": "abc"} if model else {},
-        },
-        "Checks": [{"CheckID": f"c{i}", "Status": s} for i, s in enumerate(statuses)],
+        "Node": node,
+        "Address": "10.0.0.1",
+        "ServiceID": service_id,
+        "ServiceName": "llmgw-engine",
+        "ServiceTags": tags if tags is not None else [],
+        "ServiceAddress": address,
+        "ServicePort": port,
+        "ServiceMeta": {"model": model, "def_hash": "abc"} if model else {},
     }
 
 
-def test_a_replica_is_ready_only_when_all_its_checks_pass() -> None:
-    replicas = parse_health(
-        [
-            entry("ok", statuses=("passing", "passing")),
-            entry("warn", statuses=("passing", "warning")),
-            entry("crit", statuses=("critical", "passing")),
-            entry("maint", statuses=("passing", "maintenance")),
-        ]
-    )["m"]
-    status = {r.id: (r.status, r.ready) for r in replicas}
+def check(node: str, service_id: str, status: str) -> dict[str, str]:
+    return {
+        "Node": node,
+        "CheckID": f"{service_id or 'node'}-{status}",
+        "ServiceID": service_id,
+        "Status": status,
+    }
+
+
+def test_a_replica_is_ready_only_when_its_checks_and_its_nodes_pass() -> None:
+    fleet = Fleet()
+    instances = parse_instances(
+        [entry(i) for i in ("ok", "warn", "crit", "maint")] + [entry("drained", node="n2")]
+    )
+    not_passing = [
+        check("n1", "warn", "warning"),
+        check("n1", "crit", "warning"),
+        check("n1", "crit", "critical"),
+        check("n1", "maint", "maintenance"),
+        check("n2", "", "critical"),  # the node's own check: serfHealth
+        check("n1", "other-service", "critical"),
+    ]
+    fleet.set_instances(instances, parse_not_passing(not_passing))
+    status = {r.id: (r.status, r.ready) for r in fleet.replicas["m"]}
     assert status == {
         "ok": ("passing", True),
         "warn": ("warning", False),
         "crit": ("critical", False),
         "maint": ("critical", False),
+        "drained": ("critical", False),
     }
+    assert [r.id for r in fleet.ready["m"]] == ["ok"]
+
+
+def test_a_change_of_checks_rebuilds_only_the_models_it_touches_and_keeps_old_snapshots_whole() -> None:
+    fleet = Fleet()
+    fleet.set_instances(parse_instances([entry("a1", model="a"), entry("b1", model="b", node="n2")]), {})
+    before_replicas, before_ready = fleet.replicas, fleet.ready
+    assert fleet.set_not_passing(parse_not_passing([check("n1", "a1", "critical")]))
+    assert "a" not in fleet.ready and [r.id for r in fleet.ready["b"]] == ["b1"]
+    assert fleet.replicas["b"] is before_replicas["b"]  # untouched, not rebuilt
+    assert [r.id for r in before_ready["a"]] == ["a1"]  # a published snapshot never changes
+    # A check of something that is no replica changes nothing, and says so.
+    assert not fleet.set_not_passing(
+        parse_not_passing([check("n1", "a1", "critical"), check("n9", "x", "critical")])
+    )
+    # The node going away takes out all of its replicas, and its return brings them back.
+    a1_down = [check("n1", "a1", "critical")]
+    assert fleet.set_not_passing(parse_not_passing([*a1_down, check("n2", "", "critical")]))
+    assert not fleet.ready
+    a1_down_only = parse_not_passing(a1_down)
+    assert fleet.improving(a1_down_only) == {("n2", "b1")}
+    assert fleet.set_not_passing(a1_down_only, {("n2", "b1")}, {("n2", "b1"): "passing"})
+    assert set(fleet.ready) == {"b"}
+
+
+def test_a_check_that_clears_puts_an_instance_back_only_once_its_own_health_confirms_it() -> None:
+    # A task that stops is deregistered with its checks: its critical check leaves the list a
+    # moment before the catalog drops it. Read alone, that looks like a recovery.
+    fleet = Fleet()
+    fleet.set_instances(
+        parse_instances([entry("dying"), entry("back", port=8001), entry("still", port=8002)]),
+        parse_not_passing([check("n1", i, "critical") for i in ("dying", "back", "still")]),
+    )
+    assert "m" not in fleet.ready
+    cleared: dict[tuple[str, str], str] = {}
+    assert fleet.improving(cleared) == {("n1", "dying"), ("n1", "back"), ("n1", "still")}
+    # Unconfirmed, nothing comes back.
+    assert not fleet.set_not_passing(cleared)
+    assert "m" not in fleet.ready
+    # Confirmed: one is gone from Consul, one passes, one turned critical again meanwhile.
+    checked = fleet.improving(cleared)
+    assert fleet.set_not_passing(cleared, checked, {("n1", "back"): "passing", ("n1", "still"): "critical"})
+    assert [r.id for r in fleet.ready["m"]] == ["back"]
+    assert {r.id for r in fleet.replicas["m"]} == {"back", "still"}
+    assert "dying" not in fleet.by_id
 
 
 def test_the_model_comes_from_meta_or_the_model_tag_and_the_address_falls_back_to_the_node() -> None:
-    by_model = parse_health(
+    instances = parse_instances(
         [
             entry("a", model="alpha"),
             entry("b", model=None, tags=["gpu", "model=beta"], address=""),
             entry("c", model=None, tags=["gpu"]),
             entry("d", model="alpha", port=0),
             {"garbage": True},
+            {"ServiceMeta": "not a mapping", "ServiceID": "e"},
         ]
     )
-    assert set(by_model) == {"alpha", "beta"}
-    assert [r.id for r in by_model["alpha"]] == ["a"]
-    beta = by_model["beta"][0]
+    fleet = Fleet()
+    fleet.set_instances(instances, {})
+    assert set(fleet.replicas) == {"alpha", "beta"}
+    assert [r.id for r in fleet.replicas["alpha"]] == ["a"]
+    beta = fleet.replicas["beta"][0]
     assert (beta.host, beta.port, beta.base_url) == ("10.0.0.1", 8000, "http://10.0.0.1:8000")
 
 
