@@ -168,6 +168,8 @@ class CountingProxy:
         self.answers: Counter[tuple[str, str]] = Counter()
         self.bytes: Counter[tuple[str, str]] = Counter()
         self.answered: dict[tuple[str, str], float] = {}  # time.time() of the latest answer
+        # Frames with events that came down an event stream, by upstream and topic(s).
+        self.frames: Counter[tuple[str, str]] = Counter()
         self.lock = threading.Lock()
         self.loop = asyncio.new_event_loop()
         self._ready = threading.Event()
@@ -190,6 +192,10 @@ class CountingProxy:
     def bytes_snapshot(self) -> Counter[tuple[str, str]]:
         with self.lock:
             return Counter(self.bytes)
+
+    def frames_snapshot(self) -> Counter[tuple[str, str]]:
+        with self.lock:
+            return Counter(self.frames)
 
     def answers_of(self, name: str, path: str) -> tuple[int, int, float]:
         """(answers, bytes, time of the latest answer) for one upstream's path."""
@@ -239,6 +245,8 @@ class CountingProxy:
             async with self.session.request(
                 request.method, self.upstreams[name] + request.path_qs, headers=headers, data=body or None
             ) as upstream:
+                if request.path == "/v1/event/stream" and upstream.status == 200:
+                    return await self._stream(request, upstream, name)
                 data = await upstream.read()
                 with self.lock:
                     self.answers[(name, request.path)] += 1
@@ -252,3 +260,28 @@ class CountingProxy:
                 return web.Response(status=upstream.status, body=data, headers=out)
         except aiohttp.ClientError as exc:  # the upstream went away (at the end of the run)
             return web.Response(status=502, text=f"counting proxy: {exc}")
+
+    async def _stream(
+        self, request: web.Request, upstream: aiohttp.ClientResponse, name: str
+    ) -> web.StreamResponse:
+        """An event stream, passed on as it comes: its bytes counted per chunk and its frames
+        with events (not the `{}` heartbeats) per line, by the topics asked for."""
+        key = (name, request.path)
+        topics = ",".join(request.query.getall("topic", [])) or "*"
+        response = web.StreamResponse(status=upstream.status, headers={"Content-Type": "application/json"})
+        await response.prepare(request)
+        partial = b""
+        try:
+            async for chunk in upstream.content.iter_any():
+                lines = (partial + chunk).split(b"\n")
+                partial = lines.pop()
+                with self.lock:
+                    self.bytes[key] += len(chunk)
+                    self.answered[key] = time.time()
+                    self.frames[(name, topics)] += sum(
+                        1 for line in lines if line.strip() not in (b"", b"{}")
+                    )
+                await response.write(chunk)
+        except (aiohttp.ClientError, ConnectionResetError):
+            pass  # either side went away
+        return response

@@ -27,7 +27,8 @@ calls are counted (the stand-in keeps no access log). Then:
   allocation list costs at this size;
 - churned: someone else's job whose task exits and is restarted in place about every second is
   run for `--churn-seconds`: the bytes the watcher reads from Nomad and its CPU, per minute and
-  per change it read (its long poll on the allocations answering), beside the idle minute's.
+  per change it read (the frames of allocation events its event stream was sent; for a watcher
+  that lists instead, its long poll on the allocations answering), beside the idle minute's.
 
 `--models 100,1000` measures each fleet in turn, on its own Consul and stand-in, and prints them
 side by side with the ratio of the largest to the smallest: the cost of one change should not
@@ -421,16 +422,19 @@ def measure(args: argparse.Namespace, n_models: int) -> dict[str, Any]:
             wait_for("the watcher to settle", quiet, 120, 0)
 
             def window(seconds: float) -> dict[str, Any]:
-                calls0, bytes0 = proxy.snapshot(), proxy.bytes_snapshot()
+                calls0, bytes0, frames0 = proxy.snapshot(), proxy.bytes_snapshot(), proxy.frames_snapshot()
                 cpu0, passes0 = cpu_seconds(watcher.pid), healthz(admin).get("passes", 0)
                 t0 = time.monotonic()
                 time.sleep(seconds)
-                calls1, bytes1 = proxy.snapshot(), proxy.bytes_snapshot()
+                calls1, bytes1, frames1 = proxy.snapshot(), proxy.bytes_snapshot(), proxy.frames_snapshot()
                 cpu1, passes1 = cpu_seconds(watcher.pid), healthz(admin).get("passes", 0)
                 took = time.monotonic() - t0
                 calls = calls1 - calls0
-                # The changes the watcher read: its long poll on the allocations answering.
-                changes = calls[("nomad", "GET", "/v1/allocations", True)]
+                # The changes the watcher read: the frames of allocation events it was sent, or
+                # (a watcher that lists instead) its long poll on the allocations answering.
+                changes = (frames1 - frames0)[("nomad", "Allocation")] + calls[
+                    ("nomad", "GET", "/v1/allocations", True)
+                ]
                 return {
                     "seconds": took,
                     "calls": calls,

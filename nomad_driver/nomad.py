@@ -12,8 +12,12 @@ client, because a requests.Session is not meant to be shared across threads.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import json
 import os
 import threading
+from collections.abc import Iterable
 from typing import Any
 
 import nomad as pynomad
@@ -84,7 +88,8 @@ class Nomad:
         method: str = "get",
         params: dict[str, Any] | None = None,
         body: Any = None,
-        timeout: float | None = None,
+        timeout: float | tuple[float, float] | None = None,
+        stream: bool = False,
     ) -> requests.Response:
         requester: Any = self.client()
         for part in endpoint.split("."):  # "client.stream_logs" is a nested requester
@@ -94,7 +99,7 @@ class Nomad:
         where = "/".join((endpoint, *path))
         try:
             resp: requests.Response = requester.request(
-                *path, method=method, params=params, json=body, timeout=timeout or self.timeout
+                *path, method=method, params=params, json=body, timeout=timeout or self.timeout, stream=stream
             )
         except nomad_exc.BaseNomadException as exc:
             resp_obj = getattr(exc, "nomad_resp", None)
@@ -191,3 +196,102 @@ class Nomad:
         params = {"task": task, "type": "stderr", "origin": "end", "offset": nbytes, "plain": "true"}
         resp = self._request("client.stream_logs", alloc_id, params=params)
         return resp.content[-nbytes:].decode("utf-8", errors="replace")
+
+
+# Nomad sends `{}` every 10 s on an idle stream; three missed heartbeats mean the stream is dead
+# (a server that went away without closing it), not a quiet cluster.
+EVENT_READ_TIMEOUT_S = 35.0
+
+
+class EventStream:
+    """One subscription to `/v1/event/stream`, read by a thread of its own, its frames handed to
+    the event loop that opened it. Not python-nomad's `get_stream`: that reconnects silently from
+    the index it was first given (replaying, or skipping what passed while it was away) and dies
+    without a word on a read timeout; here any end of the stream is an error the reader sees, so
+    it can read the collection again from a known index."""
+
+    def __init__(self, nomad: Nomad, topics: Iterable[str], index: int) -> None:
+        self._nomad = nomad
+        self._topics = list(topics)
+        self._index = index
+        self._loop = asyncio.get_running_loop()
+        self._frames: asyncio.Queue[dict[str, Any] | NomadError] = asyncio.Queue()
+        self._closed = threading.Event()
+        self._response: requests.Response | None = None
+        self._failed: NomadError | None = None
+        self._thread = threading.Thread(target=self._read, name="llmgw-nomad-events", daemon=True)
+        self._thread.start()
+
+    def _hand(self, item: dict[str, Any] | NomadError) -> None:
+        if self._closed.is_set():
+            return
+        try:
+            self._loop.call_soon_threadsafe(self._frames.put_nowait, item)
+        except RuntimeError:  # the loop closed under a reader that was never closed
+            self._closed.set()
+
+    def _read(self) -> None:
+        where = f"nomad GET /v1/event/stream?topic={','.join(self._topics)}"
+        try:
+            resp = self._nomad._request(
+                "event.stream",
+                params={"topic": self._topics, "index": self._index},
+                timeout=(self._nomad.timeout, EVENT_READ_TIMEOUT_S),
+                stream=True,
+            )
+            self._response = resp
+            with resp:
+                for line in resp.iter_lines():
+                    if self._closed.is_set():
+                        return
+                    if not line:
+                        continue
+                    try:
+                        frame = json.loads(line)
+                    except ValueError:
+                        raise NomadUnavailable(f"{where}: a frame that is not JSON: {line[:200]!r}") from None
+                    if not isinstance(frame, dict):
+                        raise NomadUnavailable(f"{where}: a frame that is not an object: {line[:200]!r}")
+                    if frame:  # `{}` is a heartbeat
+                        self._hand(frame)
+            raise NomadUnavailable(f"{where}: the stream ended")
+        except NomadError as exc:
+            self._hand(exc)
+        except Exception as exc:  # a reader closed under it fails in urllib3's own ways
+            self._hand(NomadUnavailable(f"{where}: {type(exc).__name__}: {exc}"))
+
+    async def next(self, wait_s: float) -> dict[str, Any] | None:
+        """The next frame with events, or None when `wait_s` passes without one; raises
+        NomadError once the stream has ended, for whatever reason."""
+        if self._failed is not None:
+            raise self._failed
+        try:
+            async with asyncio.timeout(wait_s):
+                item = await self._frames.get()
+        except TimeoutError:
+            return None
+        if isinstance(item, NomadError):
+            self._failed = item
+            raise item
+        return item
+
+    def pending(self) -> list[dict[str, Any]]:
+        """The frames already here, without waiting. An end of the stream behind them is kept
+        for the next `next()`, so the frames before it are still applied."""
+        out: list[dict[str, Any]] = []
+        while self._failed is None and not self._frames.empty():
+            item = self._frames.get_nowait()
+            if isinstance(item, NomadError):
+                self._failed = item
+            else:
+                out.append(item)
+        return out
+
+    def close(self) -> None:
+        # The thread notices at its next line (a heartbeat at the latest); closing the response
+        # from here only hurries it.
+        self._closed.set()
+        if self._response is not None:
+            # Closing from another thread may meet a socket already dead; either way it is done.
+            with contextlib.suppress(Exception):
+                self._response.close()

@@ -200,6 +200,8 @@ CALLS: dict[Component, tuple[Call, ...]] = {
             _ns("scale-job", "submit-job"),
         ),
         _nomad("GET", "/v1/allocations", "watch replicas and start failures", _ns("read-job")),
+        # The Job and Allocation topics need read-job in the namespace (Nomad's events API docs).
+        _nomad("GET", "/v1/event/stream", "follow job and allocation changes", _ns("read-job")),
         _nomad("GET", "/v1/evaluations", "watch placement results", _ns("read-job")),
         _nomad(
             "GET",

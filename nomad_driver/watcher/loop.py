@@ -37,6 +37,7 @@ from nomad_driver.state import (
 from nomad_driver.watcher import parking
 from nomad_driver.watcher.acting import Actor
 from nomad_driver.watcher.engine_errors import EngineErrors
+from nomad_driver.watcher.feeds import AllocationFeed, JobFeed
 from nomad_driver.watcher.fenced import FencedStates
 from nomad_driver.watcher.health import Entry, HealthEntries
 from nomad_driver.watcher.in_flight import (
@@ -70,6 +71,7 @@ from nomad_driver.watcher.watch import (
     NodeCache,
     engines_fetch,
     jobs_fetch,
+    kept_allocation,
     kv_fetch,
     nodes_fetch,
     nomad_list_fetch,
@@ -163,15 +165,17 @@ class Watcher:
         self.engines: Watch[tuple[dict[str, Any], ...]] = Watch(
             "consul-engines", engines_fetch(consul, SERVICE_NAME, w), on_change=self.wake
         )
+        # Jobs and allocations are listed once and then followed by Nomad's event stream
+        # (watcher/feeds.py): a change costs what changed, not the whole namespace again.
+        self.job_feed = JobFeed(nomad, w, jobs_fetch(nomad, w, JobCache()))
         self.jobs: Watch[Mapping[str, dict[str, Any]]] = Watch(
-            "nomad-jobs", jobs_fetch(nomad, w, JobCache()), on_change=self.wake
+            "nomad-jobs", self.job_feed.fetch, on_change=self.wake
         )
         # With resources: the summary counts a GPU as used from the allocation that holds it,
         # whoever's job it is, and so does a multi-node model's room.
+        self.alloc_feed = AllocationFeed(nomad, w, kept_allocation)
         self.allocs: Watch[tuple[dict[str, Any], ...]] = Watch(
-            "nomad-allocations",
-            nomad_list_fetch(nomad, "allocations", w, {"resources": "true"}, others_holding=True),
-            on_change=self.wake,
+            "nomad-allocations", self.alloc_feed.fetch, on_change=self.wake
         )
         self.evals: Watch[tuple[dict[str, Any], ...]] = Watch(
             "nomad-evaluations", nomad_list_fetch(nomad, "evaluations", w), on_change=self.wake
@@ -233,8 +237,8 @@ class Watcher:
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
-        # Four Nomad long polls hold a thread each for their whole wait; leave room for the
-        # short calls (scale, register, logs) beside them.
+        # Two Nomad long polls hold a thread each for their whole wait (the event streams read
+        # in threads of their own); leave room for the short calls (scale, register, logs).
         loop.set_default_executor(ThreadPoolExecutor(max_workers=16, thread_name_prefix="llmgw-nomad"))
         for coro in (
             self.leadership.run(),
@@ -253,6 +257,8 @@ class Watcher:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
+        self.alloc_feed.close()
+        self.job_feed.close()
         await self.leadership.resign()
 
     async def _loop(self) -> None:

@@ -43,29 +43,26 @@ def engines_fetch(
 _HOLDING = frozenset({"pending", "running", "unknown"})
 
 
-def nomad_list_fetch(
-    nomad: Nomad,
-    collection: str,
-    wait_s: float,
-    params: dict[str, Any] | None = None,
-    *,
-    others_holding: bool = False,
-) -> Callable[[int], Awaitable[tuple[int, tuple[dict[str, Any], ...]]]]:
-    """Allocations or evaluations of llmgw's jobs (the others are dropped here, once). With
-    `others_holding`, other jobs' allocations that hold their resources are kept too: a GPU
-    another team's job holds is not free, and a node with one is no room for a multi-node
-    replica, which needs entirely free nodes."""
+def kept_allocation(alloc: Mapping[str, Any]) -> bool:
+    """What the watcher keeps of the allocations: llmgw's, and other jobs' that hold their
+    resources. A GPU another team's job holds is not free, and a node with one is no room for a
+    multi-node replica, which needs entirely free nodes."""
+    if str(alloc.get("JobID", "")).startswith(JOB_PREFIX):
+        return True
+    return alloc.get("ClientStatus") in _HOLDING
 
-    def kept(item: dict[str, Any]) -> bool:
-        if str(item.get("JobID", "")).startswith(JOB_PREFIX):
-            return True
-        return others_holding and item.get("ClientStatus") in _HOLDING
+
+def nomad_list_fetch(
+    nomad: Nomad, collection: str, wait_s: float, params: dict[str, Any] | None = None
+) -> Callable[[int], Awaitable[tuple[int, tuple[dict[str, Any], ...]]]]:
+    """The items of one of llmgw's jobs in a collection (evaluations); the others are dropped
+    here, once."""
 
     async def fetch(index: int) -> tuple[int, tuple[dict[str, Any], ...]]:
         new_index, items = await asyncio.to_thread(
             nomad.blocking_list, collection, index=index, wait_s=wait_s, params=params
         )
-        return new_index, tuple(i for i in items if kept(i))
+        return new_index, tuple(i for i in items if str(i.get("JobID", "")).startswith(JOB_PREFIX))
 
     return fetch
 
