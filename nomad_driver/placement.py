@@ -10,6 +10,7 @@ whether the model is unplaceable right now.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -218,6 +219,10 @@ class PlacementWarnings:
     def clear(self, model: str) -> None:
         """Placed: the next failure is news again."""
         self._last.pop(model, None)
+
+    def next_due(self) -> float:
+        """When a warning that stays the same is next logged again (inf: none logged)."""
+        return min((at + self.every_s for _, at in self._last.values()), default=math.inf)
 
 
 # --- fabrics for multi-node replicas --------------------------------------------------------

@@ -206,6 +206,10 @@ def parse_activity(raw: bytes | str | None, now: float | None = None) -> float |
 MAX_INFLIGHT_VALUE = 1 << 20
 MAX_ACTIVITY_INTERVAL_S = 300.0
 MAX_REQUESTS = 1_000_000
+# A router's record holds while it is this many of its intervals old at most, and from this far
+# ahead of the reader's clock.
+INFLIGHT_STALE_INTERVALS = 3
+INFLIGHT_FUTURE_SLACK_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -225,7 +229,17 @@ class RouterInFlight:
     def live(self, now: float) -> bool:
         """Refreshed recently: a router that stopped refreshing (a crash) holds nothing. A
         time far in the future is a bad clock or a bad value, not a request."""
-        return now - 3 * self.interval_s <= self.at <= now + 60.0
+        return self._live_from() <= now <= self._live_until()
+
+    def changes_at(self, now: float) -> float:
+        """When `live` next flips with nothing written (inf: never again)."""
+        return min((t for t in (self._live_from(), self._live_until()) if t > now), default=math.inf)
+
+    def _live_from(self) -> float:
+        return self.at - INFLIGHT_FUTURE_SLACK_S
+
+    def _live_until(self) -> float:
+        return self.at + INFLIGHT_STALE_INTERVALS * self.interval_s
 
 
 def parse_inflight(raw: bytes | str | None) -> RouterInFlight | None:

@@ -30,6 +30,8 @@ ENV_NOTES: dict[str, str] = {
     "NOMAD_CACERT": "CA certificate that signed Nomad's HTTPS certificate",
     "NOMAD_CLIENT_CERT": "client certificate for Nomad's mutual TLS",
     "NOMAD_CLIENT_KEY": "private key of NOMAD_CLIENT_CERT",
+    "LLMGW_VERIFY_SKIPPED_PASSES": "a file: the watcher runs the passes it would skip with nothing new and "
+    "appends every model whose decision came out different (the test suite sets it)",
     "NOMAD_ADDR_admin": "set by Nomad for the task's `admin` port; the watcher advertises it when it listens on 0.0.0.0",
     "CONSUL_HTTP_ADDR": "Consul's HTTP API, `host:port` or a URL; default `127.0.0.1:8500`",
     "CONSUL_HTTP_SSL": "`true`: `https://` for a `host:port` CONSUL_HTTP_ADDR",

@@ -362,7 +362,13 @@ def create_app(
 
     @app.get("/healthz")
     async def healthz() -> dict[str, Any]:
-        return {"status": "ok", "leader": watcher.leadership.is_leader, "passes": watcher.passes}
+        return {
+            "status": "ok",
+            "leader": watcher.leadership.is_leader,
+            "passes": watcher.passes,
+            "skipped_passes": watcher.skipped_passes,
+            "last_pass_cpu_ms": round(watcher.last_pass_cpu_s * 1000, 1),
+        }
 
     @app.get("/metrics")
     async def metrics() -> Response:

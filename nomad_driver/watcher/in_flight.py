@@ -4,6 +4,7 @@ the idle clock and the scaling rules, and the keys of routers gone for an hour r
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterator, Mapping
 
 from nomad_driver.consul import Consul, ConsulError, KVEntry
@@ -44,6 +45,15 @@ def asks(kv: Mapping[str, KVEntry], now: float) -> dict[str, float]:
     return latest
 
 
+def routers_change_at(kv: Mapping[str, KVEntry], now: float) -> float:
+    """When what the routers' records say next changes with nothing written: one going stale, or
+    one dated ahead coming due (inf: never)."""
+    return min(
+        (router.changes_at(now) for router in _parsed_routers(kv)),
+        default=math.inf,
+    )
+
+
 async def forget_gone_routers(consul: Consul, kv: Mapping[str, KVEntry], now: float) -> None:
     """Delete in-flight keys of routers gone for an hour (each router restart makes a new
     key); check-and-set, so a router that came back and wrote meanwhile keeps its key."""
@@ -62,9 +72,12 @@ async def forget_gone_routers(consul: Consul, kv: Mapping[str, KVEntry], now: fl
 
 def _live_routers(kv: Mapping[str, KVEntry], now: float) -> Iterator[RouterInFlight]:
     """The routers' in-flight records that parse and are still refreshed."""
+    return (router for router in _parsed_routers(kv) if router.live(now))
+
+
+def _parsed_routers(kv: Mapping[str, KVEntry]) -> Iterator[RouterInFlight]:
     for key, entry in kv.items():
-        if not key.startswith(INFLIGHT_PREFIX):
-            continue
-        router = parse_inflight(entry.value)
-        if router is not None and router.live(now):
-            yield router
+        if key.startswith(INFLIGHT_PREFIX):
+            router = parse_inflight(entry.value)
+            if router is not None:
+                yield router

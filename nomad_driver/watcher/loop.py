@@ -45,8 +45,10 @@ from nomad_driver.watcher.in_flight import (
     asks,
     forget_gone_routers,
     requests_in_flight,
+    routers_change_at,
 )
 from nomad_driver.watcher.leader import LeaderInfo, Leadership, LeaseLost
+from nomad_driver.watcher.quiet import quiet_until, record_differences, verify_file
 from nomad_driver.watcher.reconcile import (
     DEFAULT_MAX_START_FAILURES,
     Decision,
@@ -182,9 +184,9 @@ class Watcher:
         )
         # Nodes feed the admin API, the engine metrics and the fabric room of multi-node models
         # (which wait for a first answer), so a change there does not wake a pass and a
-        # failing node watch does not stop the leader acting.
+        # failing node watch does not stop the leader acting; the next tick's pass reads it.
         self.nodes: Watch[tuple[dict[str, Any], ...]] = Watch(
-            "nomad-nodes", nodes_fetch(nomad, w, NodeCache()), on_change=lambda: None
+            "nomad-nodes", nodes_fetch(nomad, w, NodeCache()), on_change=self._news_for_the_tick
         )
         self.models: dict[str, Model] = {}
         self.definitions_problem = ""
@@ -197,6 +199,14 @@ class Watcher:
         self.decisions: dict[str, Decision] = {}
         self.views: dict[str, ModelView] = {}
         self.passes = 0
+        # Passes skipped with nothing new to read (`watcher/quiet.py`): anything a watch reads,
+        # or a leadership change, is news and wakes a full pass; the tick alone skips one
+        # until the clock reaches what the last decisions depend on.
+        self.skipped_passes = 0
+        self._news = True
+        self._quiet_until = -inf
+        self._verify_skips = verify_file()
+        self.last_pass_cpu_s = 0.0
         self._scaled_at: dict[str, tuple[int, float]] = {}
         # When the watcher saw each job's count change (-inf: not since it started), for the
         # step rate limit; and the load each model had over the recent passes.
@@ -226,7 +236,11 @@ class Watcher:
     # Lifecycle
 
     def wake(self) -> None:
+        self._news = True
         self._wake.set()
+
+    def _news_for_the_tick(self) -> None:
+        self._news = True
 
     def _leader_changed(self, leading: bool) -> None:
         self.leader_changes += 1
@@ -271,6 +285,9 @@ class Watcher:
             self._wake.clear()
             started = time.monotonic()
             try:
+                if not self._news and self.clock() < self._quiet_until:
+                    await self._quiet_tick()
+                    continue
                 await self.run_pass()
             except asyncio.CancelledError:
                 raise
@@ -330,8 +347,8 @@ class Watcher:
                 )
             return None, index, str(exc)
 
-    def build_views(self) -> dict[str, ModelView]:
-        now = self.clock()
+    def build_views(self, now: float | None = None) -> dict[str, ModelView]:
+        now = self.clock() if now is None else now
         kv = self.kv.snapshot.data if self.kv.snapshot else {}
         self._load_models(kv)
         jobs = self.jobs.snapshot.data if self.jobs.snapshot else {}
@@ -465,7 +482,19 @@ class Watcher:
             log.warning("event=definitions_restored key=%s models=%d", CONFIG_MODELS_KEY, len(self.models))
 
     async def run_pass(self) -> None:
-        views = self.build_views()
+        # Taken before the snapshots are read: what a watch brings in meanwhile is news still.
+        self._news = False
+        self._quiet_until = -inf
+        now = self.clock()
+        cpu = time.process_time()
+        if await self._pass(now):
+            self._quiet_until = self._quiet_deadline(now)
+        self.last_pass_cpu_s = time.process_time() - cpu
+
+    async def _pass(self, now: float) -> bool:
+        """One pass; whether it did all it had to (a pass after one that did not is never
+        skipped: what it left undone is asked again)."""
+        views = self.build_views(now)
         decisions = {name: reconcile(v, self.config.max_start_failures) for name, v in views.items()}
         parks = {
             (a.alloc_id, a.task, a.failures)
@@ -484,20 +513,24 @@ class Watcher:
         self.views, self.decisions = views, decisions
         self.replicas = self._build_replicas(views)
         self.passes += 1
-        if not self.leadership.is_leader or not self.ready_to_act():
-            return
+        if not self.leadership.is_leader:
+            return True
+        if not self.ready_to_act():
+            return False
         if self._definitions_missing and self._models_text:
             await self._restore_definitions()
+            if self._definitions_missing:
+                return False
         async with self._apply_lock:
             for name, d in decisions.items():
                 self._log_placement(d)
                 if not self.leadership.is_leader:
-                    return
+                    return False
                 try:
                     decisions[name] = await self.actor.apply_decision(self.models[d.model], d, views[name])
                 except LeaseLost as exc:
                     log.warning("event=actions_stopped model=%s reason=%r", d.model, str(exc))
-                    return
+                    return False
             await self._forget_gone_routers()
             try:
                 # Within the lease: a Consul that hangs must not hold the pass, and with it the
@@ -509,6 +542,37 @@ class Watcher:
             except (ConsulError, TimeoutError) as exc:
                 self.health.forget()
                 log.warning("event=health_sync_failed error=%r", str(exc) or type(exc).__name__)
+                return False
+        return True
+
+    def _quiet_deadline(self, now: float) -> float:
+        """Until when a pass with nothing new to read would decide what this one did."""
+        kv = self.kv.snapshot.data if self.kv.snapshot else {}
+        return min(
+            [
+                quiet_until(self.views, self.decisions, now),
+                routers_change_at(kv, now),
+                self.warnings.next_due(),
+                *(self.load.changes_at(n, v.model.scale_down_delay_s) for n, v in self.views.items()),
+            ]
+        )
+
+    async def _quiet_tick(self) -> None:
+        """A tick with nothing new: the last pass's decisions stand. The load history is told
+        they were asked for again now, as a pass would have recorded, so that a lower figure
+        after the quiet still has to hold for the scale-down delay."""
+        if self._verify_skips:
+            before = dict(self.decisions)
+            await self.run_pass()
+            record_differences(self._verify_skips, before, self.decisions)
+            return
+        now = self.clock()
+        for name, d in self.decisions.items():
+            self.load.record(name, now, d.recommendation)
+        self.skipped_passes += 1
+        if self.leadership.is_leader and self.ready_to_act():
+            async with self._apply_lock:
+                await self._forget_gone_routers()
 
     def _build_replicas(self, views: Mapping[str, ModelView]) -> list[dict[str, Any]]:
         replicas, self._replica_since = list_replicas(

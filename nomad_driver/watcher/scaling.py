@@ -198,6 +198,21 @@ class LoadHistory:
             seen.peaks.pop()
         seen.peaks.append((now, recommendation))
 
+    def changes_at(self, model: str, delay_s: float) -> float:
+        """When `observe` would next answer otherwise with the same in flight (inf: not while it
+        stays): at once while the window still averages two values (the average moves with
+        every tick until the older one leaves it), or when a held peak above the latest
+        recommendation runs out. The latest recommendation is itself the last peak, and
+        holding what the load asks for anyway changes no decision."""
+        seen = self._models.get(model)
+        if seen is None:
+            return math.inf
+        if len(seen.samples) > 1:
+            return -math.inf
+        if len(seen.peaks) > 1:
+            return seen.peaks[0][0] + delay_s
+        return math.inf
+
     def keep_only(self, models: Iterable[str]) -> None:
         keep = set(models)
         for name in [m for m in self._models if m not in keep]:

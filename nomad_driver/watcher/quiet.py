@@ -1,0 +1,74 @@
+"""When a pass may be skipped: nothing it reads has changed and the clock has crossed no
+deadline that a decision depends on.
+
+`reconcile` is a pure function of its view, and the clock reaches a view only through a few
+deadlines: a request's idle timeout running out, the step interval, the load history's window
+and held peak, a router's in-flight record going stale (the watcher adds the last two). A pass
+woken only by the tick, with no snapshot changed since the last pass and none of those deadlines
+passed, would decide exactly what the last one did. Skipping it is what makes an idle fleet
+cost its long polls, not a pass over every model on every tick: 250 ms of CPU each at 1,000
+models (bench/watcher_bench.py).
+
+Never skipped: a pass after one that had something to do (an action, which may have failed and
+is asked again), saw requests in flight (the routers rewrite their records meanwhile anyway) or
+held a step back (its message counts the seconds down); and one every `FULL_PASS_EVERY_S`.
+
+`LLMGW_VERIFY_SKIPPED_PASSES=<file>` runs the skippable passes anyway and appends a line to the
+file for every model whose decision came out different; the test suite sets it and fails on any
+line (tests/conftest.py).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Mapping
+from math import inf
+
+from nomad_driver.watcher.reconcile import Decision, ModelView
+
+log = logging.getLogger("llmgw.watcher")
+
+FULL_PASS_EVERY_S = 300.0
+VERIFY_ENV = "LLMGW_VERIFY_SKIPPED_PASSES"
+
+
+def quiet_until(views: Mapping[str, ModelView], decisions: Mapping[str, Decision], now: float) -> float:
+    """Until when a pass with nothing new to read decides what `decisions` say, by the views'
+    own deadlines; at or before `now`: the next pass is not to be skipped."""
+    until = now + FULL_PASS_EVERY_S
+    for name, d in decisions.items():
+        view = views[name]
+        if d.actions or view.in_flight > 0 or d.desired_reason == "step":
+            return -inf
+        m = view.model
+        deadlines = []
+        if view.activity is not None:
+            # `asked_for` turns false here.
+            deadlines.append(view.activity + m.idle_timeout_s + view.activity_grace_s)
+        if view.since_step_s < view.step_interval_s:
+            deadlines.append(now - view.since_step_s + view.step_interval_s)
+        if view.load_held is None and view.scaled_at is not None:
+            # A view without load history holds a count it just saw (`desired_for`).
+            deadlines.append(view.scaled_at + m.scale_down_delay_s)
+        until = min([until, *(t for t in deadlines if t > now)])
+    return until
+
+
+def verify_file() -> str:
+    return os.environ.get(VERIFY_ENV, "")
+
+
+def record_differences(path: str, before: Mapping[str, Decision], after: Mapping[str, Decision]) -> int:
+    """Append each model whose decision a skippable pass changed to `path`; how many."""
+    lines = [
+        json.dumps({"model": name, "skipped": repr(before.get(name)), "ran": repr(after.get(name))})
+        for name in sorted(before.keys() | after.keys())
+        if before.get(name) != after.get(name)
+    ]
+    if lines:
+        log.error("event=skipped_pass_differs models=%d file=%s", len(lines), path)
+        with open(path, "a", encoding="utf-8") as f:
+            f.write("".join(line + "\n" for line in lines))
+    return len(lines)
