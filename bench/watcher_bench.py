@@ -413,11 +413,13 @@ def measure(args: argparse.Namespace, n_models: int) -> dict[str, Any]:
             wait_for(f"{len(models)} models satisfied", lambda: satisfied_count(admin) >= len(models), 180, 2)
             print(f"watcher leads, every model satisfied after {time.monotonic() - started:.1f} s")
 
-            # Settled: the leader's first passes register every model in the Consul UI once.
+            # Settled: the leader's first passes register every model in the Consul UI once, and
+            # Nomad's last updates of the new allocations (each one a read of its list entry)
+            # have come in; a wave of those inside the idle minute would be setup, not idleness.
             def quiet() -> bool:
                 before = sum(n for k, n in proxy.snapshot().items() if not k[3])
-                time.sleep(5)
-                return sum(n for k, n in proxy.snapshot().items() if not k[3]) - before <= 4
+                time.sleep(10)
+                return sum(n for k, n in proxy.snapshot().items() if not k[3]) - before <= 8
 
             wait_for("the watcher to settle", quiet, 120, 0)
 
@@ -443,6 +445,10 @@ def measure(args: argparse.Namespace, n_models: int) -> dict[str, Any]:
                     "skipped": health1.get("skipped_passes", 0) - health0.get("skipped_passes", 0),
                     # The last full pass's own CPU, as the watcher timed it.
                     "pass_cpu_ms": float(health1.get("last_pass_cpu_ms", 0.0)),
+                    # What woke the passes that ran: a watch that read something new, or the
+                    # tick for a deadline.
+                    "causes": Counter(health1.get("pass_causes", {}))
+                    - Counter(health0.get("pass_causes", {})),
                     "nomad_bytes": nomad_bytes(bytes1 - bytes0),
                     "bytes_by_path": bytes1 - bytes0,
                     "changes": changes,
@@ -548,6 +554,9 @@ def report(results: list[dict[str, Any]]) -> int:
         print(f"  [{r['models']} models] bytes per change read, churned window, by endpoint:")
         for (name, path), n in spread[:6]:
             print(f"    {n / max(1, w['changes']) / 1e3:>9.0f} kB  {name:<6} {path}")
+        for name in ("idle", "churned"):
+            causes = ", ".join(f"{c} {n}" for c, n in sorted(r[name]["causes"].items())) or "none"
+            print(f"  [{r['models']} models] passes run, {name} minute, by cause: {causes}")
         print(f"  [{r['models']} models] parking trials: " + " ".join(f"{p:.2f}" for p in r["parks"]) + " s")
         print(f"  [{r['models']} models] idle calls by endpoint (per-model paths: {r['per_model_paths']}):")
         print("\n".join(describe_calls(r["idle"]["calls"])))

@@ -173,3 +173,31 @@ async def test_another_jobs_evaluation_keeps_the_evaluations_index_and_an_llmgw_
     moved, evals = await until(fetch, again, lambda e: any(x["JobID"] == "llmgw-evals" for x in e))
     assert moved > index
     assert {e["JobID"] for e in evals} == {"llmgw-evals"}
+
+
+async def test_a_resync_that_finds_what_is_held_keeps_the_index_the_reader_has(
+    nomad_standin: StandIn, nomad: Nomad
+) -> None:
+    """Another job registered moves the namespace's job index; listing llmgw's jobs again finds
+    them unchanged, and a new index would wake a pass over every model for nothing."""
+    client = nomad_standin.client()
+    client.jobs.register_job(mock_job("llmgw-held", **NO_DEPLOYMENTS))
+    now = [1000.0]
+    feed = JobFeed(nomad, 0.2, jobs_fetch(nomad, 0.2, JobCache()), resync_s=60.0, clock=lambda: now[0])
+    try:
+        index, jobs = await feed.fetch(0)
+        assert set(jobs) == {"llmgw-held"}
+        client.jobs.register_job(mock_job("tenant", **NO_DEPLOYMENTS))
+        now[0] += 61.0
+        again, jobs = await feed.fetch(index)
+        assert feed.lists == 2
+        assert again == index and set(jobs) == {"llmgw-held"}
+
+        scale(client, "llmgw-held", "g", 2)
+        now[0] += 61.0
+        moved, jobs = await feed.fetch(again)
+        assert feed.lists == 3
+        assert moved > again and jobs["llmgw-held"]["TaskGroups"][0]["Count"] == 2
+    finally:
+        feed.close()
+        await asyncio.sleep(0)

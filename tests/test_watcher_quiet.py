@@ -124,6 +124,42 @@ def test_the_suites_check_names_a_model_whose_skipped_pass_would_have_decided_ot
     assert w.decisions["od"].desired == 0
 
 
+SPLIT = """
+profiles:
+  split:
+    engine: llama.cpp
+    engine_version: b6500
+    gpus: 0
+    nodes: 2
+models:
+  od:
+    source: file:///tmp/od.gguf
+    profile: split
+    replicas: {min: 0, max: 1}
+"""
+
+
+@pytest.mark.parametrize("text", [ON_DEMAND, SPLIT], ids=["one-node", "multi-node"])
+def test_a_node_change_is_news_only_when_a_pass_reads_what_changed(text: str) -> None:
+    w = Watcher(Consul("http://127.0.0.1:1"), Nomad("http://127.0.0.1:1"), WatcherConfig())
+    _snapshots(w, text, NOW - 1)
+    asyncio.run(w.run_pass())
+    assert w.models["od"].profile.nodes == (2 if text is SPLIT else 1)
+
+    def nodes_read(*entries: dict[str, Any]) -> bool:
+        w._news = False
+        w.nodes.snapshot = Reading(1, entries, 0.0)
+        w._nodes_read()
+        return w._news
+
+    node = {"ID": "n1", "Name": "n1", "Meta": {"llmgw_fabric": "ib-a"}, "ModifyIndex": 5}
+    assert nodes_read(node)  # first sight
+    # Another job placed on it, say: only a multi-node model's fabric room reads that.
+    assert nodes_read({**node, "ModifyIndex": 6}) == (text is SPLIT)
+    # Its fabric moved: the replica list shows it for every model.
+    assert nodes_read({**node, "Meta": {"llmgw_fabric": "ib-b"}, "ModifyIndex": 7})
+
+
 async def test_an_idle_watcher_skips_passes_yet_idles_a_model_down_on_time_and_wakes_for_news(
     consul_url: str, start_standin: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -121,16 +121,22 @@ class EventBroker:
             # Index 0 starts at the buffer's head, the newest commit (stream.EventBroker.Subscribe).
             queue.put_nowait(self._buffer[-1])
         self._subscribers.add(queue)
+        loop = asyncio.get_running_loop()
         try:
             yield {}
+            # Counted from the last frame sent, not the last commit seen: commits of topics this
+            # subscriber does not follow send nothing, and a stream that only they kept busy
+            # would go silent until the client's read timeout ended it.
+            beat_at = loop.time() + heartbeat_s
             while True:
                 try:
                     # asyncio.timeout, not wait_for: on Python 3.11 wait_for can drop an item
                     # (or a cancel) that arrives just as the heartbeat timer fires.
-                    async with asyncio.timeout(heartbeat_s):
+                    async with asyncio.timeout_at(beat_at):
                         item = await queue.get()
                 except TimeoutError:
                     yield {}
+                    beat_at = loop.time() + heartbeat_s
                     continue
                 if item is None:
                     return
@@ -142,5 +148,6 @@ class EventBroker:
                 ]
                 if selected:
                     yield {"Index": idx, "Events": selected}
+                    beat_at = loop.time() + heartbeat_s
         finally:
             self._subscribers.discard(queue)

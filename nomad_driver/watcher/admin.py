@@ -368,6 +368,7 @@ def create_app(
             "passes": watcher.passes,
             "skipped_passes": watcher.skipped_passes,
             "last_pass_cpu_ms": round(watcher.last_pass_cpu_s * 1000, 1),
+            "pass_causes": dict(watcher.pass_causes),
         }
 
     @app.get("/metrics")

@@ -91,14 +91,20 @@ class _Feed(Generic[T]):
 
     async def _list(self) -> tuple[int, T]:
         self.close()
+        held = self.data() if self.lists else None
         index = await self.list_all()
         self.lists += 1
         self.listed_at = self.clock()
         # Events after the list's index; one at it, replayed by a server whose buffer starts
         # there, is skipped as already listed.
-        self.index = self.applied = index
+        self.applied = index
+        # A list again (the resync, a stream that ended) that finds what is held is handed on
+        # under the index the reader has: the namespace's index moves for every job's changes,
+        # and a new one would wake a pass over every model for nothing.
+        if held is None or self.index == 0 or self.data() != held:
+            self.index = index
         self.stream = EventStream(self.nomad, [self.topic], index + 1)
-        return index, self.data()
+        return self.index, self.data()
 
     def close(self) -> None:
         if self.stream is not None:

@@ -13,9 +13,11 @@ import contextlib
 import dataclasses
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from math import inf
 from typing import Any
 
@@ -163,31 +165,39 @@ class Watcher:
         self._routers_checked_at = 0.0
         self._wake = asyncio.Event()
         w = self.config.wait_s
-        self.kv: Watch[dict[str, KVEntry]] = Watch("consul-kv", kv_fetch(consul, w), on_change=self.wake)
+        self.kv: Watch[dict[str, KVEntry]] = Watch(
+            "consul-kv", kv_fetch(consul, w), on_change=partial(self.wake, "consul-kv")
+        )
         self.engines: Watch[tuple[dict[str, Any], ...]] = Watch(
-            "consul-engines", engines_fetch(consul, SERVICE_NAME, w), on_change=self.wake
+            "consul-engines",
+            engines_fetch(consul, SERVICE_NAME, w),
+            on_change=partial(self.wake, "consul-engines"),
         )
         # Jobs and allocations are listed once and then followed by Nomad's event stream
         # (watcher/feeds.py): a change costs what changed, not the whole namespace again.
         self.job_feed = JobFeed(nomad, w, jobs_fetch(nomad, w, JobCache()))
         self.jobs: Watch[Mapping[str, dict[str, Any]]] = Watch(
-            "nomad-jobs", self.job_feed.fetch, on_change=self.wake
+            "nomad-jobs", self.job_feed.fetch, on_change=partial(self.wake, "nomad-jobs")
         )
         # With resources: the summary counts a GPU as used from the allocation that holds it,
         # whoever's job it is, and so does a multi-node model's room.
         self.alloc_feed = AllocationFeed(nomad, w, kept_allocation)
         self.allocs: Watch[tuple[dict[str, Any], ...]] = Watch(
-            "nomad-allocations", self.alloc_feed.fetch, on_change=self.wake
+            "nomad-allocations", self.alloc_feed.fetch, on_change=partial(self.wake, "nomad-allocations")
         )
         self.evals: Watch[tuple[dict[str, Any], ...]] = Watch(
-            "nomad-evaluations", nomad_list_fetch(nomad, "evaluations", w), on_change=self.wake
+            "nomad-evaluations",
+            nomad_list_fetch(nomad, "evaluations", w),
+            on_change=partial(self.wake, "nomad-evaluations"),
         )
         # Nodes feed the admin API, the engine metrics and the fabric room of multi-node models
         # (which wait for a first answer), so a change there does not wake a pass and a
-        # failing node watch does not stop the leader acting; the next tick's pass reads it.
+        # failing node watch does not stop the leader acting; the next tick's pass reads what
+        # a pass uses of them (`_nodes_read`).
         self.nodes: Watch[tuple[dict[str, Any], ...]] = Watch(
-            "nomad-nodes", nodes_fetch(nomad, w, NodeCache()), on_change=self._news_for_the_tick
+            "nomad-nodes", nodes_fetch(nomad, w, NodeCache()), on_change=self._nodes_read
         )
+        self._node_fabrics: dict[str, str] | None = None
         self.models: dict[str, Model] = {}
         self.definitions_problem = ""
         self._models_index = -1
@@ -204,6 +214,10 @@ class Watcher:
         # until the clock reaches what the last decisions depend on.
         self.skipped_passes = 0
         self._news = True
+        # What brought news since the last pass, and how many passes each cause ran (a pass
+        # with none was the tick's, for a deadline), for /healthz and the benchmark.
+        self._news_from: set[str] = {"start"}
+        self.pass_causes: Counter[str] = Counter()
         self._quiet_until = -inf
         self._verify_skips = verify_file()
         self.last_pass_cpu_s = 0.0
@@ -235,19 +249,27 @@ class Watcher:
 
     # Lifecycle
 
-    def wake(self) -> None:
+    def wake(self, cause: str = "wake") -> None:
         self._news = True
+        self._news_from.add(cause)
         self._wake.set()
 
-    def _news_for_the_tick(self) -> None:
-        self._news = True
+    def _nodes_read(self) -> None:
+        """A pass reads of the nodes only each one's fabric (the replica list) and, for a
+        multi-node model, the room in each fabric; any other node change (another job placed,
+        a heartbeat's fields) is not news, or it would cost a pass over every model."""
+        fabrics = node_fabrics(self.nodes.snapshot.data if self.nodes.snapshot else ())
+        if fabrics != self._node_fabrics or any(m.profile.nodes > 1 for m in self.models.values()):
+            self._node_fabrics = fabrics
+            self._news = True
+            self._news_from.add("nomad-nodes")
 
     def _leader_changed(self, leading: bool) -> None:
         self.leader_changes += 1
         # A new leader reads the catalog before correcting it; a deposed one forgets its cache.
         self.health.forget()
         self.states.forget()
-        self.wake()
+        self.wake("leadership")
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -484,6 +506,8 @@ class Watcher:
     async def run_pass(self) -> None:
         # Taken before the snapshots are read: what a watch brings in meanwhile is news still.
         self._news = False
+        self.pass_causes.update(self._news_from or {"tick"})
+        self._news_from = set()
         self._quiet_until = -inf
         now = self.clock()
         cpu = time.process_time()
@@ -615,7 +639,7 @@ class Watcher:
                 state = retried(view)
                 if await self.states.write(model, state, view.state_index):
                     log.info("event=retried model=%s", model)
-                    self.wake()
+                    self.wake("retry")
                     return state
         raise ConsulUnavailable(f"could not write {state_key(model)}; try again")
 

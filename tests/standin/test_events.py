@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import queue
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -115,3 +116,34 @@ def test_stream_from_an_index_replays_what_happened_since(standin: StandIn) -> N
     assert all(e["Index"] >= start for e in seen)
     bad = requests.get(f"{standin.url}/v1/event/stream", params={"index": "soon"}, timeout=5)
     assert bad.status_code == 400 and bad.text.startswith("Unable to parse index")
+
+
+def test_heartbeats_keep_coming_while_only_other_topics_commit(standin: StandIn) -> None:
+    """Commits this subscriber does not follow send it nothing, so they must not hold back its
+    heartbeats either: a stream kept busy only by them would go silent until the client's read
+    timeout ended it (the watcher's Job stream did, once a minute, while allocations churned)."""
+    client = standin.client()
+    lines = frames(standin, [("topic", "Job:mine")], 10)
+    assert next(lines) == {}
+    stop = threading.Event()
+
+    def churn() -> None:
+        i = 0
+        while not stop.is_set():
+            client.jobs.register_job(mock_job(f"other-{i}"))  # a commit every ~0.1 s
+            i += 1
+            time.sleep(0.1)
+
+    thread = threading.Thread(target=churn, daemon=True)
+    thread.start()
+    try:
+        started = time.monotonic()
+        for heartbeats, frame in enumerate(lines, start=1):
+            assert frame == {}, frame  # nothing of "mine" was committed
+            if heartbeats == 4:
+                break
+        # Every 0.3 s here: four in well under the 10 s a silent stream would take.
+        assert time.monotonic() - started < 5
+    finally:
+        stop.set()
+        thread.join(5)
