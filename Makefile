@@ -20,6 +20,7 @@ LLAMA_WHEEL_STAMP := $(LLAMA_WHEELS)/.built
 # flavour as the wheel, so both engines run the same llama.cpp.
 LLAMA_CPP := $(CACHE)/llama.cpp-$(LLAMA_CPP_PYTHON)-x86-64-v3
 LLAMA_CPP_STAMP := $(LLAMA_CPP)/.built
+LLAMA_CPP_SOURCE := $(LLAMA_CPP)/src/.extracted
 LLAMA_SERVER_BIN := $(LLAMA_CPP)/build/bin/llama-server
 RPC_SERVER_BIN := $(LLAMA_CPP)/build/bin/ggml-rpc-server
 # The Prometheus server the dev stack runs comes from bullseye: Debian's later packages are built
@@ -54,19 +55,46 @@ $(LLAMA_WHEEL_STAMP):
 
 # Only the two programs are built (not the examples or tests); about 10-15 minutes on 2 busy cores,
 # once per machine. The sdist is kept too, so a rebuild after a failed compile does not download.
-$(LLAMA_CPP_STAMP):
+$(LLAMA_CPP_SOURCE):
 	@mkdir -p $(LLAMA_CPP)/sdist $(LLAMA_CPP)/src
-	@echo "building llama-server and ggml-rpc-server once (~10-15 min on 2 cores)..."
 	test -n "$$(ls $(LLAMA_CPP)/sdist/llama_cpp_python-*.tar.gz 2>/dev/null)" || \
 		$(PYTHON) -m pip download --quiet --no-deps --no-binary llama-cpp-python --dest $(LLAMA_CPP)/sdist \
 		'llama-cpp-python==$(LLAMA_CPP_PYTHON)'
 	tar -xzf $(LLAMA_CPP)/sdist/llama_cpp_python-$(LLAMA_CPP_PYTHON).tar.gz -C $(LLAMA_CPP)/src --strip-components=1
+	@touch $@
+
+$(LLAMA_CPP_STAMP): | $(LLAMA_CPP_SOURCE)
+	@echo "building llama-server and ggml-rpc-server once (~10-15 min on 2 cores)..."
 	cmake -S $(LLAMA_CPP)/src/vendor/llama.cpp -B $(LLAMA_CPP)/build $(LLAMA_CMAKE_ARGS) \
 		-DGGML_RPC=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
 		-DCMAKE_BUILD_TYPE=Release
 	cmake --build $(LLAMA_CPP)/build -j2 --target llama-server ggml-rpc-server
 	@test -x $(LLAMA_SERVER_BIN) && test -x $(RPC_SERVER_BIN)
 	@touch $@
+
+# The engines for real GPU nodes (docs/operating.md, "CUDA engines"): the same llama.cpp source
+# and flags as the build above, plus CUDA, installed as a node expects them under
+# $(CUDA_ENGINES)/llama.cpp/$(LLAMA_CPP_VERSION)/ with their libraries beside them ($$ORIGIN), and
+# sealed with a SHA256SUMS the node agent verifies them by where it cannot run them (its
+# container has no CUDA runtime). Needs the CUDA toolkit (nvcc) and cmake on the building
+# machine, not a GPU; 216 s on 16 cores for one architecture.
+CUDA_ARCHITECTURES ?= 80;86;89;90
+CUDA_ENGINES ?= $(CACHE)/engines-cuda
+LLAMA_CPP_VERSION ?= b6500
+LLAMA_CUDA_BUILD := $(CACHE)/llama.cpp-$(LLAMA_CPP_PYTHON)-cuda
+.PHONY: cuda-engines
+cuda-engines: $(LLAMA_CPP_SOURCE)
+	cmake -S $(LLAMA_CPP)/src/vendor/llama.cpp -B $(LLAMA_CUDA_BUILD) $(LLAMA_CMAKE_ARGS) \
+		-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES="$(CUDA_ARCHITECTURES)" -DGGML_CUDA_NCCL=OFF \
+		-DGGML_RPC=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+		-DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_NUMBER=$(patsubst b%,%,$(LLAMA_CPP_VERSION)) \
+		-DCMAKE_BUILD_WITH_INSTALL_RPATH=ON -DCMAKE_INSTALL_RPATH='$$ORIGIN' -DCMAKE_BUILD_TYPE=Release
+	cmake --build $(LLAMA_CUDA_BUILD) -j$$(nproc) --target llama-server ggml-rpc-server
+	rm -rf $(CUDA_ENGINES)/llama.cpp/$(LLAMA_CPP_VERSION) && mkdir -p $(CUDA_ENGINES)/llama.cpp/$(LLAMA_CPP_VERSION)
+	cp -a $(LLAMA_CUDA_BUILD)/bin/llama-server $(LLAMA_CUDA_BUILD)/bin/ggml-rpc-server \
+		$(LLAMA_CUDA_BUILD)/bin/*.so* $(CUDA_ENGINES)/llama.cpp/$(LLAMA_CPP_VERSION)/
+	cd $(CUDA_ENGINES)/llama.cpp/$(LLAMA_CPP_VERSION) && sha256sum llama-server ggml-rpc-server *.so* > SHA256SUMS
+	@echo "llama.cpp $(LLAMA_CPP_VERSION) with CUDA: copy $(CUDA_ENGINES)/llama.cpp/$(LLAMA_CPP_VERSION) to each GPU node's llmgw_engines_dir"
 
 $(VENV)/.installed: pyproject.toml $(VENV)/bin/python $(LLAMA_WHEEL_STAMP)
 	$(PY) -m pip install --quiet --no-deps --force-reinstall $(LLAMA_WHEELS)/llama_cpp_python-$(LLAMA_CPP_PYTHON)-*.whl

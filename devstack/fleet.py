@@ -1,10 +1,9 @@
 """The simulated fleet as the dev stack runs it: engines installed where the nodes say.
 
 A job for engine `llama-cpp-python` 0.3.36 runs `<llmgw_engines_dir>/llama-cpp-python/0.3.36/
-bin/python -m llama_cpp.server`. Here that version is a link to the virtualenv this process
-runs in: a link to the venv's root, not to `bin/python`, because a python reached through a
-link to itself alone does not find the venv's site-packages (no pyvenv.cfg beside it) and
-fails to import llama_cpp.
+bin/python -m llama_cpp.server`. Here that program runs the python of the virtualenv this
+process runs in, by its path inside the venv: a python reached through a link to itself alone
+does not find the venv's site-packages (no pyvenv.cfg beside it) and fails to import llama_cpp.
 
 A job for engine `llama.cpp` runs `<llmgw_engines_dir>/llama.cpp/b6500/llama-server` (and
 `ggml-rpc-server` for the shards of a multi-node replica): the real programs `make setup` built,
@@ -19,6 +18,7 @@ from typing import Any
 
 import yaml
 
+from devstack.fake_cuda import install_behind
 from devstack.llama_cpp import install_llama_cpp
 
 ENGINE = "llama-cpp-python"
@@ -29,15 +29,23 @@ DEMO_FLEET = Path(__file__).resolve().parent / "nodes" / "demo.yaml"
 
 
 def install_engines(engines_dir: Path, venv: Path | None = None) -> Path:
-    """`engines_dir/llama-cpp-python/0.3.36` -> the virtualenv, and llama.cpp's programs under
-    `engines_dir/llama.cpp/b6500`; returns the llama-cpp-python link."""
+    """`engines_dir/llama-cpp-python/0.3.36/bin/python` -> the virtualenv's python, and
+    llama.cpp's programs under `engines_dir/llama.cpp/b6500`, each behind the simulated node's
+    CUDA view (devstack/fake_cuda.py); returns the llama-cpp-python install."""
     install_llama_cpp(engines_dir)
-    link = engines_dir / ENGINE / ENGINE_VERSION
-    link.parent.mkdir(parents=True, exist_ok=True)
-    if link.is_symlink() or link.exists():
-        link.unlink()
-    link.symlink_to(Path(venv or sys.prefix).resolve(), target_is_directory=True)
-    return link
+    return install_llama_cpp_python(engines_dir, venv)
+
+
+def install_llama_cpp_python(engines_dir: Path, venv: Path | None = None) -> Path:
+    """`engines_dir/llama-cpp-python/0.3.36/bin/python`: the virtualenv's python behind the
+    simulated node's CUDA view; returns the version directory."""
+    install = engines_dir / ENGINE / ENGINE_VERSION
+    if install.is_symlink():
+        install.unlink()
+    (install / "bin").mkdir(parents=True, exist_ok=True)
+    # The venv's own bin/python, run by its path inside the venv, so it finds pyvenv.cfg.
+    install_behind(install / "bin" / "python", Path(venv or sys.prefix).resolve() / "bin" / "python")
+    return install
 
 
 # The layout the operating guide asks for: GPU nodes in a pool of their own, llmgw's own services

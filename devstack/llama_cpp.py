@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from devstack.fake_cuda import install_behind
 from devstack.llama_engine import LlamaServer, start_logged
 from devstack.ports import free_port
 
@@ -44,15 +45,13 @@ def program(name: str) -> Path:
 
 
 def install_llama_cpp(engines_dir: Path, version: str = VERSION) -> Path:
-    """`engines_dir/llama.cpp/<version>/{llama-server,ggml-rpc-server}` -> the built programs.
-    Links, not copies: the programs find their shared libraries beside the originals."""
+    """`engines_dir/llama.cpp/<version>/{llama-server,ggml-rpc-server}`: the built programs,
+    behind the simulated node's CUDA view (devstack/fake_cuda.py), which runs the originals
+    where they were built, so they find their shared libraries beside them."""
     target = engines_dir / ENGINE / version
     target.mkdir(parents=True, exist_ok=True)
     for name in PROGRAMS:
-        link = target / name
-        if link.is_symlink() or link.exists():
-            link.unlink()
-        link.symlink_to(program(name))
+        install_behind(target / name, program(name))
     return target
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
+from nomad_driver import gpu_check
 from nomad_driver.hcl import job_to_hcl
 from nomad_driver.node_meta import ENGINES_DIR_KEY, engine_meta_key, interpolated
 from nomad_driver.placement import fabric_constraint, gpu_count_constraint
@@ -93,28 +94,28 @@ def weights_for(source: str) -> Weights:
     return Weights(model_arg=f"{WEIGHTS_DIR}/{name}", artifact=artifact)
 
 
-def _engine_task_config(model: Model, weights: Weights) -> tuple[str, dict[str, Any], dict[str, str]]:
-    """The driver, its config and the task environment for the model's engine."""
+def _engine_task_config(model: Model, weights: Weights) -> tuple[str, dict[str, Any]]:
+    """The driver and its config for the model's engine."""
     p = model.profile
     engines = interpolated(ENGINES_DIR_KEY)
     listen = ["--host", "${NOMAD_IP_http}", "--port", "${NOMAD_PORT_http}"]
-    env: dict[str, str] = {}
     config: dict[str, Any]
-    if p.gpus > 0 and p.engine != "vllm":
-        # The nvidia device plugin hands out GPUs as NVIDIA_VISIBLE_DEVICES, which only the
-        # NVIDIA container runtime reads; a raw_exec process uses CUDA_VISIBLE_DEVICES, and
-        # without it every replica on a node would pile onto GPU 0.
-        env["CUDA_VISIBLE_DEVICES"] = "${NVIDIA_VISIBLE_DEVICES}"
+    # A GPU replica under raw_exec gets its GPUs at run time, from a prologue that also refuses
+    # to start when the engine sees fewer than it asked for (gpu_check.py says why the task's
+    # `env` cannot do it).
 
     if p.engine == "llama.cpp":
         # raw_exec, not exec: the engine lives under llmgw_engines_dir (/opt/...), which exec's
         # chroot does not carry, and CUDA needs the host's driver libraries as they are.
+        server = f"{engines}/llama.cpp/{p.engine_version}/llama-server"
         args = ["--model", weights.model_arg, *listen, "--ctx-size", str(p.context)]
         args += ["--alias", model.name]
         if p.gpus > 0:
-            args += ["-ngl", "999"]
-        config = {"command": f"{engines}/llama.cpp/{p.engine_version}/llama-server", "args": args + p.args}
-        return "raw_exec", config, env
+            args += ["-ngl", "999", "--device", gpu_check.cuda_device_names(p.gpus)]
+            probe = gpu_check.llama_cpp_probe(server)
+            return "raw_exec", gpu_check.checked_command(p.gpus, probe, server, args + p.args)
+        config = {"command": server, "args": args + p.args}
+        return "raw_exec", config
 
     if p.engine == "llama-cpp-python":
         args = ["-m", "llama_cpp.server", "--model", weights.model_arg, *listen]
@@ -126,11 +127,12 @@ def _engine_task_config(model: Model, weights: Weights) -> tuple[str, dict[str, 
             args += ["--n_gpu_layers", "-1"]
         if p.chat_format:
             args += ["--chat_format", p.chat_format]
-        config = {
-            "command": f"{engines}/llama-cpp-python/{p.engine_version}/bin/python",
-            "args": args + p.args,
-        }
-        return "raw_exec", config, env
+        python = f"{engines}/llama-cpp-python/{p.engine_version}/bin/python"
+        if p.gpus > 0:
+            probe = gpu_check.llama_cpp_python_probe(python)
+            return "raw_exec", gpu_check.checked_command(p.gpus, probe, python, args + p.args)
+        config = {"command": python, "args": args + p.args}
+        return "raw_exec", config
 
     # vLLM ships as a container image; the docker driver maps the dynamic port to the same
     # number inside the container, so the engine listens on NOMAD_PORT_http on all interfaces.
@@ -144,7 +146,7 @@ def _engine_task_config(model: Model, weights: Weights) -> tuple[str, dict[str, 
         "shm_size": VLLM_SHM_BYTES,
         "args": args + p.args,
     }
-    return "docker", config, env
+    return "docker", config
 
 
 def _gpu_devices(p: Profile) -> list[dict[str, Any]]:
@@ -199,7 +201,7 @@ def render_job(model: Model, *, namespace: str | None = None) -> dict[str, Any]:
         return render_replica_job(model, 0, namespace=namespace)
     p = model.profile
     weights = weights_for(model.source)
-    driver, config, env = _engine_task_config(model, weights)
+    driver, config = _engine_task_config(model, weights)
 
     resources: dict[str, Any] = {"CPU": p.cpu_mhz, "MemoryMB": p.memory_mib}
     devices = _gpu_devices(p)
@@ -207,8 +209,6 @@ def render_job(model: Model, *, namespace: str | None = None) -> dict[str, Any]:
         resources["Devices"] = devices
 
     task: dict[str, Any] = {"Name": TASK_NAME, "Driver": driver, "Config": config}
-    if env:
-        task["Env"] = env
     if weights.artifact:
         task["Artifacts"] = [weights.artifact]
     task["Resources"] = resources
@@ -398,11 +398,11 @@ def _replica_engine(model: Model, job_id: str, weights: Weights) -> tuple[dict[s
     p = model.profile
     engines = interpolated(ENGINES_DIR_KEY)
     workers = p.nodes - 1
-    env: dict[str, str] = {}
-    if p.gpus > 0 and p.engine != "vllm":
-        env["CUDA_VISIBLE_DEVICES"] = "${NVIDIA_VISIBLE_DEVICES}"
     if p.engine == "llama.cpp":
         binary = f"{engines}/llama.cpp/{p.engine_version}"
+        # Leader and shards alike get their GPUs at run time and refuse to start without them.
+        probe = gpu_check.llama_cpp_probe(f"{binary}/llama-server")
+        devices = ["--device", gpu_check.cuda_device_names(p.gpus)] if p.gpus > 0 else []
         leader_args = [
             "--model",
             weights.model_arg,
@@ -421,23 +421,22 @@ def _replica_engine(model: Model, job_id: str, weights: Weights) -> tuple[dict[s
         ]
         # Every layer goes to a device, local GPUs and the shards' alike; without it llama.cpp
         # keeps the model on the leader's CPU and the shards hold nothing.
-        leader_args += ["-ngl", "999", *p.args]
+        leader_args += ["-ngl", "999", *devices, *p.args]
         command = " ".join(_shell_word(a) for a in [f"{binary}/llama-server", *leader_args])
+        wait_args = _wait_for_shards(workers, RPC_SERVERS_VAR, command)
+        if p.gpus > 0:
+            wait_args = gpu_check.checked_script(p.gpus, probe, wait_args[1])
         leader: dict[str, Any] = {
             "Driver": "raw_exec",
-            "Config": {"command": "/bin/sh", "args": _wait_for_shards(workers, RPC_SERVERS_VAR, command)},
+            "Config": {"command": "/bin/sh", "args": wait_args},
             "Templates": [_rpc_servers_template(job_id)],
         }
-        shard: dict[str, Any] = {
-            "Driver": "raw_exec",
-            "Config": {
-                "command": f"{binary}/ggml-rpc-server",
-                "args": ["--host", "${NOMAD_IP_rpc}", "--port", "${NOMAD_PORT_rpc}"],
-            },
-        }
-        if env:
-            leader["Env"] = dict(env)
-            shard["Env"] = dict(env)
+        shard_command = f"{binary}/ggml-rpc-server"
+        shard_args = ["--host", "${NOMAD_IP_rpc}", "--port", "${NOMAD_PORT_rpc}", *devices]
+        shard_config: dict[str, Any] = {"command": shard_command, "args": shard_args}
+        if p.gpus > 0:
+            shard_config = gpu_check.checked_command(p.gpus, probe, shard_command, shard_args)
+        shard: dict[str, Any] = {"Driver": "raw_exec", "Config": shard_config}
         return leader, shard
 
     # vLLM over Ray: the leader starts Ray's head and then vLLM, which waits until the Ray

@@ -292,6 +292,10 @@ ELSEWHERE: dict[str, tuple[str, str]] = {
         "the dev stack and tests: which ggml rpc-server to run",
     ),
     "LLMGW_CHROMIUM_BIN": ("tests/e2e/browser.py", "the browser tests' Chromium"),
+    "LLMGW_DEVSTACK_NODE_GPUS": (
+        "devstack/fake_cuda.py",
+        "the stand-in's simulated hardware: the GPUs a process on a simulated node can see",
+    ),
     "LLMGW_PROMETHEUS_BIN": ("devstack/prometheus.py", "the dev stack's Prometheus server"),
     "LLMGW_ROUTER_URL": ("devstack/stack.py", "written into .devstack/env for your shell: the router's URL"),
 }

@@ -12,6 +12,7 @@ from typing import Any
 import hcl2
 import pytest
 
+from nomad_driver import gpu_check
 from nomad_driver.hcl import job_to_hcl
 from nomad_driver.node_meta import engine_meta_key
 from nomad_driver.render import (
@@ -115,16 +116,22 @@ def test_a_gpu_profile_without_memory_or_model_asks_for_any_gpus() -> None:
     assert task["Resources"]["Devices"] == [
         {"Name": "nvidia/gpu", "Count": 2, "Constraints": [], "Affinities": []}
     ]
-    # raw_exec processes see their GPUs through CUDA_VISIBLE_DEVICES, not the container variable.
-    assert task["Env"] == {"CUDA_VISIBLE_DEVICES": "${NVIDIA_VISIBLE_DEVICES}"}
+    # Not through the task's env: Nomad interpolates it before the device variables exist, so
+    # the engine would get the literal text. The prologue sets it at run time and checks.
+    assert "Env" not in task
+    config = task["Config"]
+    assert config["command"] == "/bin/sh"
+    assert config["args"][2:4] == [gpu_check.SCRIPT_NAME, "2"]
+    assert "${NVIDIA_VISIBLE_DEVICES}" not in json.dumps(config)
+    assert 'export CUDA_VISIBLE_DEVICES="$NVIDIA_VISIBLE_DEVICES"' in config["args"][1]
 
 
 def test_llama_cpp_runs_the_nodes_llama_server_of_that_version() -> None:
     job = render_job(EXAMPLES.models["qwen2.5-0.5b"])
     task = task_of(job)
     assert task["Driver"] == "raw_exec"
-    assert task["Config"]["command"] == "${meta.llmgw_engines_dir}/llama.cpp/b6500/llama-server"
-    args = task["Config"]["args"]
+    command, args = gpu_check.engine_command(task["Config"])
+    assert command == "${meta.llmgw_engines_dir}/llama.cpp/b6500/llama-server"
     assert args[:2] == ["--model", "${NOMAD_TASK_DIR}/model/qwen2.5-0.5b-instruct-q4_k_m.gguf"]
     assert args[args.index("--port") + 1] == "${NOMAD_PORT_http}"
     assert args[args.index("--host") + 1] == "${NOMAD_IP_http}"
@@ -139,8 +146,8 @@ def test_llama_cpp_python_runs_the_engines_python_and_names_the_chat_format() ->
     job = render_job(EXAMPLES.models["gemma-3-4b"])
     task = task_of(job)
     assert task["Driver"] == "raw_exec"
-    assert task["Config"]["command"] == "${meta.llmgw_engines_dir}/llama-cpp-python/0.3.36/bin/python"
-    args = task["Config"]["args"]
+    command, args = gpu_check.engine_command(task["Config"])
+    assert command == "${meta.llmgw_engines_dir}/llama-cpp-python/0.3.36/bin/python"
     assert args[:2] == ["-m", "llama_cpp.server"]
     assert args[args.index("--n_ctx") + 1] == "8192"
     assert args[args.index("--chat_format") + 1] == "gemma"

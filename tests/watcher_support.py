@@ -4,7 +4,6 @@ nodes, and polling for a condition."""
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import subprocess
 import sys
@@ -16,6 +15,7 @@ from typing import Any
 
 import requests
 
+from devstack.fleet import install_llama_cpp_python
 from devstack.ports import free_port
 from nomad_driver.consul import Consul
 from nomad_driver.nomad import Nomad
@@ -119,12 +119,10 @@ async def read_state(consul: Consul, model: str) -> ModelState | None:
 
 
 def engines_dir(tmp_path: Path) -> Path:
-    """`<dir>/llama-cpp-python/0.3.36/bin/python` as a node expects it: the version directory is
-    this virtualenv itself, since a symlink to its python alone would lose the venv (Python finds
-    pyvenv.cfg next to the path it was started by) and with it llama_cpp."""
+    """`<dir>/llama-cpp-python/0.3.36/bin/python` as a node expects it: this virtualenv's python,
+    behind the simulated node's CUDA view, as the dev stack installs it."""
     root = tmp_path / "engines"
-    (root / "llama-cpp-python").mkdir(parents=True)
-    os.symlink(sys.prefix, root / "llama-cpp-python" / "0.3.36")
+    install_llama_cpp_python(root)
     return root
 
 

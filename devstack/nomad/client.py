@@ -28,6 +28,7 @@ from devstack.nomad.clock import Clock
 from devstack.nomad.consul import Registration, ServiceRegistry, build_registration
 from devstack.nomad.consul_template import ServiceWatch
 from devstack.nomad.drivers import StartRequest, TaskHandle, sleep_unless, start_task
+from devstack.nomad.nodes import simulated_gpus_env
 from devstack.nomad.state import StateStore
 from devstack.nomad.taskenv import AllocPaths, TaskEnv, build_task_env, find_group, interpolate
 
@@ -154,7 +155,9 @@ class TaskRunner:
         request = StartRequest(
             name=self.name,
             config=interpolate(self.task.get("Config") or {}, self.env),
-            env=self.env.env,
+            # Beside Nomad's env, the simulated hardware: what a real process finds through
+            # the driver (nodes.py, simulated_gpus_env). Never interpolated, as it is no variable.
+            env={**self.env.env, **simulated_gpus_env(self.ar.node)},
             task_dir=paths.task_dir(self.name),
             stdout=paths.log(self.name, "stdout"),
             stderr=paths.log(self.name, "stderr"),

@@ -27,6 +27,7 @@ A fleet file is either a list of node entries or `{nodes: [...]}`:
           memory_mib: 81559
           count: 8
           unhealthy: 1          # the last N instances report unhealthy
+          lost: 0               # of the healthy ones, the last N are offered but CUDA cannot see them
           # optional: power_w, bar1_mib, driver_version, cores_clock_mhz, memory_clock_mhz,
           #           pci_bandwidth_mbs, display_state, persistence_mode
 """
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import json
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
@@ -60,7 +62,7 @@ _NODE_KEYS = {
     "status", "eligibility", "drain", "reserved", "attributes", "meta", "gpus", "http_addr",
 }  # fmt: skip
 _GPU_KEYS = {
-    "model", "memory_mib", "count", "unhealthy", "power_w", "bar1_mib", "driver_version",
+    "model", "memory_mib", "count", "unhealthy", "lost", "power_w", "bar1_mib", "driver_version",
     "cores_clock_mhz", "memory_clock_mhz", "pci_bandwidth_mbs", "display_state", "persistence_mode",
 }  # fmt: skip
 _RESERVED_KEYS = {"cpu_mhz", "memory_mib", "disk_mb"}
@@ -142,6 +144,11 @@ def _gpu_group(node_name: str, spec: Any, where: str) -> Json:
                 "Locality": {"PciBusID": f"00000000:{0x17 + i * 0x10:02X}:00.0"},
             }
         )
+    lost = _int(spec, "lost", 0, where)
+    if lost > count - unhealthy:
+        raise NodeSpecError(f"{where}: 'lost' ({lost}) exceeds the healthy GPUs ({count - unhealthy})")
+    for instance in instances[count - unhealthy - lost : count - unhealthy]:
+        instance[_LOST] = True
     attrs = {
         "memory": int_attr(memory, "MiB"),
         "power": int_attr(_int(spec, "power_w", 350, where), "W"),
@@ -160,6 +167,32 @@ def _gpu_group(node_name: str, spec: Any, where: str) -> Json:
         "Instances": instances,
         "Attributes": {k: v.to_json() for k, v in attrs.items()},
     }
+
+
+# A GPU the device plugin still advertises as healthy but the driver no longer has (a card
+# swapped under a stale fingerprint, say): Nomad hands it out, CUDA cannot see it. The mark is
+# taken off the instance and kept in node meta `devstack_gpus_lost`, which no Nomad node has.
+_LOST = "_lost"
+LOST_GPUS_META = "devstack_gpus_lost"
+# The node's GPUs as its driver has them, for the dev world's engines (devstack/fake_cuda.py).
+NODE_GPUS_VAR = "LLMGW_DEVSTACK_NODE_GPUS"
+
+
+def simulated_gpus_env(node: Json | None) -> dict[str, str]:
+    """What a process on `node` gets beside Nomad's task env: its hardware's GPUs (healthy and
+    not lost, as CUDA enumerates them), or nothing on a node without GPUs."""
+    if not node:
+        return {}
+    lost = set(str((node.get("Meta") or {}).get(LOST_GPUS_META) or "").split(","))
+    gpus = []
+    for device in (node.get("NodeResources") or {}).get("Devices") or []:
+        if device.get("Vendor") != "nvidia" or device.get("Type") != "gpu":
+            continue
+        memory = ((device.get("Attributes") or {}).get("memory") or {}).get("Int") or 0
+        for instance in device.get("Instances") or []:
+            if instance.get("Healthy") and instance.get("ID") not in lost:
+                gpus.append({"uuid": instance["ID"], "name": device.get("Name"), "memory_mib": memory})
+    return {NODE_GPUS_VAR: json.dumps(gpus)} if gpus else {}
 
 
 def _drivers(attributes: Mapping[str, str]) -> Json:
@@ -244,6 +277,9 @@ def node_from_spec(spec: dict[str, Any]) -> Json:
     models = [d["Name"] for d in devices]
     if len(set(models)) != len(models):
         raise NodeSpecError(f"{where}: gpus: one entry per model (the NVIDIA plugin groups by model)")
+    lost = [i["ID"] for d in devices for i in d["Instances"] if i.pop(_LOST, False)]
+    if lost:
+        meta[LOST_GPUS_META] = ",".join(lost)
 
     http_addr = _str(spec, "http_addr", f"{LOOPBACK}:4646", where)
     attributes = {

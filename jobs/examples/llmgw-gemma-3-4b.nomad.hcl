@@ -75,8 +75,14 @@ job "llmgw-gemma-3-4b" {
       kill_timeout = "30s"
 
       config {
-        command = "${meta.llmgw_engines_dir}/llama-cpp-python/0.3.36/bin/python"
+        command = "/bin/sh"
         args    = [
+          "-c",
+          "llmgw_want=$1; llmgw_probe=$2; shift 2; if env | grep -q \"^NVIDIA_VISIBLE_DEVICES=\"; then llmgw_given=\"\\\"$NVIDIA_VISIBLE_DEVICES\\\"\"; else llmgw_given=\"nothing (NVIDIA_VISIBLE_DEVICES is not set)\"; fi; export CUDA_VISIBLE_DEVICES=\"$NVIDIA_VISIBLE_DEVICES\"; llmgw_list=$(eval \"$llmgw_probe\" 2>&1); llmgw_rc=$?; llmgw_seen=$(printf '%s\\n' \"$llmgw_list\" | grep -c '^ *CUDA[0-9][0-9]*:'); if [ \"$llmgw_seen\" -lt \"$llmgw_want\" ]; then llmgw_why=\"\"; if [ \"$llmgw_rc\" -ne 0 ]; then llmgw_why=\" (its device listing exited $llmgw_rc)\"; fi; echo \"llmgw: GPU check failed: asked for $llmgw_want GPU(s), the engine sees $llmgw_seen$llmgw_why; Nomad gave $llmgw_given as CUDA_VISIBLE_DEVICES\" >&2; exit 1; fi; echo \"llmgw: GPU check passed: the engine sees $llmgw_seen GPU(s) of $llmgw_given\" >&2; exec \"$@\"",
+          "llmgw-gpu-check",
+          "1",
+          "'${meta.llmgw_engines_dir}/llama-cpp-python/0.3.36/bin/python' -c 'import ctypes, pathlib, llama_cpp; lib = ctypes.CDLL(str(pathlib.Path(llama_cpp.__file__).parent / '\"'\"'lib'\"'\"' / '\"'\"'libggml.so'\"'\"')); lib.ggml_backend_dev_count.restype = ctypes.c_size_t; lib.ggml_backend_dev_get.restype = ctypes.c_void_p; lib.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]; lib.ggml_backend_dev_name.restype = ctypes.c_char_p; lib.ggml_backend_dev_name.argtypes = [ctypes.c_void_p]; names = [lib.ggml_backend_dev_name(lib.ggml_backend_dev_get(i)).decode() for i in range(lib.ggml_backend_dev_count())]; print('\"'\"'\\n'\"'\"'.join(n + '\"'\"':'\"'\"' for n in names if n.startswith('\"'\"'CUDA'\"'\"')))'",
+          "${meta.llmgw_engines_dir}/llama-cpp-python/0.3.36/bin/python",
           "-m",
           "llama_cpp.server",
           "--model",
@@ -96,10 +102,6 @@ job "llmgw-gemma-3-4b" {
           "--chat_format",
           "gemma"
         ]
-      }
-
-      env {
-        CUDA_VISIBLE_DEVICES = "${NVIDIA_VISIBLE_DEVICES}"
       }
 
       artifact {

@@ -75,8 +75,14 @@ job "llmgw-qwen2.5-0.5b" {
       kill_timeout = "30s"
 
       config {
-        command = "${meta.llmgw_engines_dir}/llama.cpp/b6500/llama-server"
+        command = "/bin/sh"
         args    = [
+          "-c",
+          "llmgw_want=$1; llmgw_probe=$2; shift 2; if env | grep -q \"^NVIDIA_VISIBLE_DEVICES=\"; then llmgw_given=\"\\\"$NVIDIA_VISIBLE_DEVICES\\\"\"; else llmgw_given=\"nothing (NVIDIA_VISIBLE_DEVICES is not set)\"; fi; export CUDA_VISIBLE_DEVICES=\"$NVIDIA_VISIBLE_DEVICES\"; llmgw_list=$(eval \"$llmgw_probe\" 2>&1); llmgw_rc=$?; llmgw_seen=$(printf '%s\\n' \"$llmgw_list\" | grep -c '^ *CUDA[0-9][0-9]*:'); if [ \"$llmgw_seen\" -lt \"$llmgw_want\" ]; then llmgw_why=\"\"; if [ \"$llmgw_rc\" -ne 0 ]; then llmgw_why=\" (its device listing exited $llmgw_rc)\"; fi; echo \"llmgw: GPU check failed: asked for $llmgw_want GPU(s), the engine sees $llmgw_seen$llmgw_why; Nomad gave $llmgw_given as CUDA_VISIBLE_DEVICES\" >&2; exit 1; fi; echo \"llmgw: GPU check passed: the engine sees $llmgw_seen GPU(s) of $llmgw_given\" >&2; exec \"$@\"",
+          "llmgw-gpu-check",
+          "1",
+          "'${meta.llmgw_engines_dir}/llama.cpp/b6500/llama-server' --list-devices",
+          "${meta.llmgw_engines_dir}/llama.cpp/b6500/llama-server",
           "--model",
           "${NOMAD_TASK_DIR}/model/qwen2.5-0.5b-instruct-q4_k_m.gguf",
           "--host",
@@ -89,13 +95,11 @@ job "llmgw-qwen2.5-0.5b" {
           "qwen2.5-0.5b",
           "-ngl",
           "999",
+          "--device",
+          "CUDA0",
           "--parallel",
           "4"
         ]
-      }
-
-      env {
-        CUDA_VISIBLE_DEVICES = "${NVIDIA_VISIBLE_DEVICES}"
       }
 
       artifact {

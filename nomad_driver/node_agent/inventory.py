@@ -4,10 +4,19 @@ An engine directory that exists is not an engine that runs: a half-copied instal
 against another CUDA would be advertised in node meta, jobs would be placed on the node, and
 each would fail at start. So every install is verified by running its own version command, and
 only verified versions are published.
+
+The agent runs in llmgw's container, which has NVML but not the host's CUDA runtime libraries
+(libcudart, libcublas) nor, often, its glibc; a CUDA build of an engine cannot even load there,
+though it runs on the host. When the version command fails for that reason alone (the dynamic
+loader's words, nothing else), the install is verified without running it: by its
+`SHA256SUMS`, which the build recipe writes (`make cuda-engines`) and which must list the
+engine's program. Every listed file must be there with its checksum, so a half-copied install
+is still refused; an install without the file, or with any other failure, is refused as before.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import re
@@ -41,6 +50,53 @@ VERSION_COMMANDS: dict[str, Callable[[Path], list[str]]] = {
 }
 
 
+# The program each engine's SHA256SUMS must list, relative to its version directory.
+MAIN_PROGRAMS = {"llama.cpp": "llama-server", "llama-cpp-python": "bin/python", "vllm": "bin/python"}
+CHECKSUMS_FILE = "SHA256SUMS"
+# What the dynamic loader (or Python's ctypes, quoting it) says when a library the program needs
+# is not in this container, or is older than the one it was built against.
+_LOADER_FAILURE = re.compile(
+    r"error while loading shared libraries: \S+|(\S+\.so[.\d]*): cannot open shared object file"
+    r"|version `GLIBC_[\d.]+' not found"
+)
+
+
+def loader_failure(output: str) -> str:
+    """The loader's line when that is why the program could not start here, else ''."""
+    for line in output.splitlines():
+        if _LOADER_FAILURE.search(line):
+            return line.strip()
+    return ""
+
+
+def sealed(install: EngineInstall) -> str:
+    """'' when every file the install's SHA256SUMS lists is there with its checksum and the
+    engine's program is among them; otherwise why not."""
+    listing = install.path / CHECKSUMS_FILE
+    try:
+        lines = listing.read_text().splitlines()
+    except OSError:
+        return f"no {CHECKSUMS_FILE} to verify it by"
+    listed: dict[str, str] = {}
+    for line in lines:
+        digest, _, name = line.strip().partition(" ")
+        if line.strip():
+            listed[name.strip().lstrip("*").removeprefix("./")] = digest.lower()
+    main = MAIN_PROGRAMS[install.engine]
+    if main not in listed:
+        return f"{CHECKSUMS_FILE} does not list {main}"
+    for name, digest in listed.items():
+        path = install.path / name
+        try:
+            with path.open("rb") as f:
+                actual = hashlib.file_digest(f, "sha256").hexdigest()
+        except OSError:
+            return f"{name} listed in {CHECKSUMS_FILE} is missing"
+        if actual != digest:
+            return f"{name} does not match its checksum in {CHECKSUMS_FILE}"
+    return ""
+
+
 def _version_matches(engine: str, version: str, output: str) -> bool:
     if engine == "llama.cpp":
         build = version.lstrip("b")
@@ -66,11 +122,27 @@ class EngineScanner:
             self._report_bad(install, str(exc))
             return False
         output = (done.stdout or "") + (done.stderr or "")
-        if done.returncode != 0 or not _version_matches(install.engine, install.version, output):
-            tail = output.strip().splitlines()[-1:] or ["no output"]
-            self._report_bad(install, f"exit {done.returncode}: {tail[0]}")
+        if done.returncode == 0 and _version_matches(install.engine, install.version, output):
+            return True
+        loader = loader_failure(output) if done.returncode != 0 else ""
+        if loader:
+            why_not = sealed(install)
+            if not why_not:
+                log.info(
+                    "engine install verified by its %s, as it cannot load here: engine=%s version=%s "
+                    "path=%s: %s",
+                    CHECKSUMS_FILE,
+                    install.engine,
+                    install.version,
+                    install.path,
+                    loader,
+                )
+                return True
+            self._report_bad(install, f"exit {done.returncode}: {loader}; {why_not}")
             return False
-        return True
+        tail = output.strip().splitlines()[-1:] or ["no output"]
+        self._report_bad(install, f"exit {done.returncode}: {tail[0]}")
+        return False
 
     def _report_bad(self, install: EngineInstall, detail: str) -> None:
         if install.path not in self._reported_bad:

@@ -26,6 +26,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+from nomad_driver import gpu_check
 from nomad_driver.fields import as_int
 from nomad_driver.spec import redact
 
@@ -252,6 +253,9 @@ def _event_text(ev: Mapping[str, Any]) -> str:
 # From most to least telling. An engine's stderr ends in a traceback whose last line is often
 # generic ("Failed to load model from file"); the loader's own line a few lines up says why.
 _TELLING = [
+    # llmgw's own GPU check (gpu_check.py) names what the engine saw; the engine's lines after
+    # it, if any, are consequences.
+    gpu_check.FAILED_PATTERN,
     re.compile(r"unknown model architecture", re.I),
     re.compile(r"error loading model", re.I),
     re.compile(r"out of memory|CUDA error|cudaMalloc|no CUDA-capable|OOM", re.I),

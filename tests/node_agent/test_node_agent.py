@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import stat
+import subprocess
 import sys
 from pathlib import Path
 
@@ -195,3 +196,81 @@ def test_publishing_uses_nomads_tls_variables(tmp_path: Path, monkeypatch: pytes
     monkeypatch.setenv("NOMAD_CLIENT_CERT", "c.pem")
     monkeypatch.setenv("NOMAD_CLIENT_KEY", "k.pem")
     assert tls_from_env("https://nomad:4646") == (True, ("c.pem", "k.pem"))
+
+
+def _cuda_llama_server(tmp_path: Path, install: Path) -> None:
+    """A real program, built here, that needs `libcudart.so.12` from a host directory that is
+    not on this process's library path: what a CUDA build of llama.cpp is inside the agent's
+    container. Run on the host (with that directory), it prints llama.cpp's version line."""
+    host_lib = tmp_path / "host-cuda"
+    host_lib.mkdir()
+    (tmp_path / "cudart.c").write_text("int cudaRuntimeGetVersion(int *v) { *v = 12040; return 0; }\n")
+    (tmp_path / "server.c").write_text(
+        "#include <stdio.h>\nint cudaRuntimeGetVersion(int *);\n"
+        'int main(void) { int v; cudaRuntimeGetVersion(&v); printf("version: 6500 (0c1e570)\\n"); return 0; }\n'
+    )
+    subprocess.run(
+        [
+            "gcc",
+            "-shared",
+            "-fPIC",
+            "-Wl,-soname,libcudart.so.12",
+            "-o",
+            str(host_lib / "libcudart.so.12"),
+            str(tmp_path / "cudart.c"),
+        ],
+        check=True,
+    )
+    install.mkdir(parents=True)
+    subprocess.run(
+        [
+            "gcc",
+            "-o",
+            str(install / "llama-server"),
+            str(tmp_path / "server.c"),
+            str(host_lib / "libcudart.so.12"),
+        ],
+        check=True,
+    )
+    on_host = subprocess.run(
+        [str(install / "llama-server"), "--version"],
+        env={"LD_LIBRARY_PATH": str(host_lib)},
+        capture_output=True,
+        text=True,
+    )
+    assert on_host.stdout.strip() == "version: 6500 (0c1e570)"
+
+
+def _seal(install: Path) -> None:
+    """`sha256sum * > SHA256SUMS` in the install, as `make cuda-engines` writes it."""
+    (install / "libggml-cuda.so").write_bytes(os.urandom(4096))
+    subprocess.run("sha256sum llama-server libggml-cuda.so > SHA256SUMS", shell=True, cwd=install, check=True)
+
+
+def test_a_cuda_engine_that_cannot_load_in_the_agents_container_is_advertised_when_sealed(
+    tmp_path: Path,
+) -> None:
+    engines = tmp_path / "engines"
+    install = engines / "llama.cpp" / "b6500"
+    _cuda_llama_server(tmp_path, install)
+    # Unsealed, it is refused: nothing tells a CUDA build from a broken one.
+    assert EngineScanner(engines).scan() == []
+    _seal(install)
+    os.utime(install)
+    found = [(e.engine, e.version) for e in EngineScanner(engines).scan()]
+    assert found == [("llama.cpp", "b6500")]
+
+
+def test_a_sealed_install_that_is_half_copied_is_still_refused(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    engines = tmp_path / "engines"
+    install = engines / "llama.cpp" / "b6500"
+    _cuda_llama_server(tmp_path, install)
+    _seal(install)
+    library = install / "libggml-cuda.so"
+    library.write_bytes(library.read_bytes()[:1000])
+    with caplog.at_level(logging.WARNING):
+        assert EngineScanner(engines).scan() == []
+    assert "libcudart.so.12" in caplog.text
+    assert "libggml-cuda.so does not match its checksum in SHA256SUMS" in caplog.text

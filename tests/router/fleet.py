@@ -6,7 +6,6 @@ one writer of every job's count)."""
 from __future__ import annotations
 
 import asyncio
-import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -17,6 +16,7 @@ import pytest
 import yaml
 from openai import OpenAI
 
+from devstack.fleet import install_llama_cpp_python
 from nomad_driver.consul import Consul
 from nomad_driver.nomad import Nomad
 from nomad_driver.render import TASK_NAME, render_job
@@ -174,10 +174,7 @@ def make_fleet(
     ) -> Fleet:
         # The nodes' engine install: llama-cpp-python from this virtualenv.
         engines = tmp_path / "engines"
-        python = engines / "llama-cpp-python" / ENGINE_VERSION / "bin" / "python"
-        python.parent.mkdir(parents=True)
-        python.write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
-        python.chmod(0o755)
+        install_llama_cpp_python(engines)
         nodes = tmp_path / "nodes.yaml"
         nodes.write_text(yaml.safe_dump({"nodes": [node("gpu-l4-0", engines, 1, 24564, "NVIDIA L4")]}))
         standin = start_standin(nodes=nodes, clock_speed=clock_speed)

@@ -54,17 +54,18 @@ def ask(url: str) -> str:
     return answer.choices[0].message.role
 
 
-def rpc_server_pids() -> dict[int, str]:
-    """Running ggml-rpc-server processes started from this test's engines dir: pid -> cmdline."""
+def rpc_server_pids(job_id: str = "llmgw-tiny-split") -> dict[int, str]:
+    """Running ggml-rpc-server processes of the job's allocations: pid -> cmdline."""
     found = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            environ = (entry / "environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if "ggml-rpc-server" in cmd and "/engines/llama.cpp/" in cmd:
+        if "ggml-rpc-server" in cmd.split(" ", 1)[0] and f"NOMAD_JOB_ID={job_id}".encode() in environ:
             found[int(entry.name)] = cmd
     return found
 
