@@ -38,7 +38,7 @@ export LLMGW_CHROMIUM_BIN := $(CHROMIUM_BIN)
 export LLMGW_LLAMA_SERVER_BIN := $(LLAMA_SERVER_BIN)
 export LLMGW_RPC_SERVER_BIN := $(RPC_SERVER_BIN)
 
-.PHONY: setup test lint typecheck pytest demo clean
+.PHONY: setup test test-fast lint typecheck pytest demo clean
 
 setup: $(VENV)/.installed $(CONSUL_BIN) $(PROMTOOL_BIN) $(PROMETHEUS_BIN) $(CHROMIUM_BIN) $(LLAMA_CPP_STAMP)
 
@@ -127,8 +127,16 @@ lint: setup
 typecheck: setup
 	$(VENV)/bin/mypy
 
+# The 25 slowest tests and fixture set-ups are printed on every run, so the suite's cost stays
+# in view (CI prints them too).
 pytest: setup
-	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -q --durations=25 $(PYTEST_ARGS)
+
+# While editing: the tests that start no process of their own (no Consul, stand-in, engine,
+# router or watcher subprocess), marked so by tests/conftest.py. Under two minutes; `make test`
+# still runs everything.
+test-fast: $(VENV)/.installed
+	$(VENV)/bin/pytest -q -m "not external" $(PYTEST_ARGS)
 
 test: lint typecheck pytest
 

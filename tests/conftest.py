@@ -24,8 +24,44 @@ pytest_plugins = [
 _SKIP_CHECKS = Path(tempfile.mkdtemp(prefix="llmgw-skip-checks-")) / "differences.jsonl"
 
 
+# Fixtures that start a process of their own: a Consul agent, the stand-in, an engine, a router,
+# the dev stack. A test that uses one (directly or through another fixture) is marked
+# `external`; `make test-fast` runs the others, which need nothing but Python.
+EXTERNAL_FIXTURES = frozenset(
+    {
+        "consul_agent",
+        "make_consul_agent",
+        "acl_consul_agent",
+        "start_standin",
+        "llama_server",
+        "llama_cpp_server",
+        "llama_cpp_engines",
+        "rpc_shard",
+        "start_router",
+        "stub_engine",
+        "start_devstack",
+        "devstack_tiny",
+        "stack",
+        "error_engine",
+        "engine",
+        "closing_engine",
+    }
+)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     os.environ.setdefault(VERIFY_ENV, str(_SKIP_CHECKS))
+    config.addinivalue_line(
+        "markers", "external: starts a process (Consul, stand-in, engine, router); see conftest"
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if EXTERNAL_FIXTURES.intersection(getattr(item, "fixturenames", ())) or item.get_closest_marker(
+            "slow"
+        ):
+            item.add_marker(pytest.mark.external)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -173,20 +173,24 @@ async def test_an_idle_watcher_skips_passes_yet_idles_a_model_down_on_time_and_w
     async with watchers_on_standin(consul_url, start_standin) as start:
         standin, consul, nomad, watcher = await start(text, ident="quiet", clock_speed=1.0)
         assert not watcher._verify_skips
-        nomad.register_job(mock_job(models["keep"], 1, run_for="1h"))
-        nomad.register_job(mock_job(models["od"], 1, run_for="1h"))
-        await watcher.start()
-        await until(lambda: watcher.leadership.is_leader and len(watcher.decisions) == 2, 30, "leading")
-
-        # A request to `od` ended just now, as a router says it.
-        served = time.time()
-        await consul.kv_put(activity_key("od"), str(served))
-        await until(lambda: watcher.views.get("od") and watcher.views["od"].activity == served, 10, "read")
-        skipped = watcher.skipped_passes
 
         def count() -> int:
             job = nomad.get_job(models["od"].job_id)
             return int(job["TaskGroups"][0]["Count"]) if job else -1
+
+        nomad.register_job(mock_job(models["keep"], 1, run_for="1h"))
+        nomad.register_job(mock_job(models["od"], 1, run_for="1h"))
+        # A request to `od` ended just now, as a router says it. Written before the watcher
+        # starts: `od` has had no request otherwise, and a first leading pass that read the KV
+        # before this write would rightly scale it to 0 at once (the race that made this test
+        # fail once in CI, with the model "idled" 0.2 s after the request).
+        served = time.time()
+        await consul.kv_put(activity_key("od"), str(served))
+        await watcher.start()
+        await until(lambda: watcher.leadership.is_leader and len(watcher.decisions) == 2, 30, "leading")
+        await until(lambda: watcher.views.get("od") and watcher.views["od"].activity == served, 10, "read")
+        assert count() == 1
+        skipped = watcher.skipped_passes
 
         # Nothing else changes: the idle timeout (3 s) plus the routers' grace (5 s) runs out
         # with no news at all, and that deadline alone runs the pass that scales it down.
