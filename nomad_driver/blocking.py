@@ -124,14 +124,22 @@ class Watch(Generic[T]):
                 new_index, data = await self.fetch(index)
             except asyncio.CancelledError:
                 raise
-            except (ServiceError, ValueError, KeyError, TypeError) as exc:
+            except Exception as exc:
+                # Whatever the far side or a bug in reading it raised, the watch keeps running:
+                # a watch task that died would leave `ok` true over a snapshot that never moves
+                # again, and a leader would act on it. Not ok until a read succeeds.
+                unexpected = not isinstance(exc, (ServiceError, ValueError, KeyError, TypeError))
                 message = str(exc) or type(exc).__name__
+                if unexpected:
+                    message = f"{type(exc).__name__}: {message}"
                 if failures == 0:
                     # Once per outage: a log line per retry would bury everything else.
-                    self.log.warning(
+                    self.log.log(
+                        logging.ERROR if unexpected else logging.WARNING,
                         "event=watch_failed watch=%s error=%r (serving from the last snapshot)",
                         self.name,
                         message,
+                        exc_info=exc if unexpected else None,
                     )
                 failures += 1
                 self.ok = False

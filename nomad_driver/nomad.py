@@ -180,6 +180,14 @@ class Nomad:
         data = self._json(resp, f"scale {job_id}")
         return data if isinstance(data, dict) else {}
 
+    def force_reschedule(self, job_id: str) -> dict[str, Any]:
+        """`nomad job eval -force-reschedule`: Nomad replaces the job's failed allocations now,
+        whatever their reschedule policy has left."""
+        body = {"JobID": job_id, "EvalOptions": {"ForceReschedule": True}}
+        resp = self._request("job", job_id, "evaluate", method="post", body=body)
+        data = self._json(resp, f"evaluate {job_id}")
+        return data if isinstance(data, dict) else {}
+
     def evaluation(self, eval_id: str, *, index: int = 0, wait_s: float = 10.0) -> tuple[int, dict[str, Any]]:
         """One evaluation, blocking until it changes past `index` (or `wait_s`): how the leader
         reads what Nomad made of an activation's scale call, at once."""

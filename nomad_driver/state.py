@@ -130,6 +130,12 @@ class ModelState(BaseModel):
     # definition is not in Nomad yet).
     count_def_hash: str = ""
     count_job_version: int = 0
+    # The CreateIndex of the Nomad job `count_job_version` belongs to: a job purged and
+    # registered again starts its versions over at 0 (0 here: not yet known).
+    count_job_create_index: int = 0
+    # Nomad gave up on a failed allocation (its reschedule budget spent) and llmgw asked it again
+    # (watcher/given_up.py): what Nomad would not do, in words; "" otherwise.
+    nomad_gave_up: str = ""
     # Set when the Nomad job `llmgw-<model>` was not rendered by llmgw for this model (its meta
     # `llmgw_model` is missing or names another): the watcher leaves that job alone.
     job_conflict: str = ""

@@ -199,6 +199,13 @@ CALLS: dict[Component, tuple[Call, ...]] = {
             "park, unpark, scale idle models down",
             _ns("scale-job", "submit-job"),
         ),
+        # Job.Evaluate wants submit-job (nomad/job_endpoint.go), which the watcher has for register.
+        _nomad(
+            "POST",
+            "/v1/job/<job>/evaluate",
+            "reschedule a failed allocation Nomad gave up on",
+            _ns("submit-job"),
+        ),
         _nomad("GET", "/v1/allocations", "watch replicas and start failures", _ns("read-job")),
         # The Job and Allocation topics need read-job in the namespace (Nomad's events API docs).
         _nomad("GET", "/v1/event/stream", "follow job and allocation changes", _ns("read-job")),

@@ -153,6 +153,13 @@ async def _job_scale(request: web.Request, server: NomadServer, job_id: str, ns:
     )
 
 
+async def _job_evaluate(
+    request: web.Request, server: NomadServer, job_id: str, ns: str
+) -> web.StreamResponse:
+    only(request, "PUT", "POST")
+    return write_response(server.evaluate(ns, job_id, await read_body(request)), request)
+
+
 async def _job_versions(
     request: web.Request, server: NomadServer, job_id: str, ns: str
 ) -> web.StreamResponse:
@@ -208,6 +215,7 @@ _JOB_SUFFIXES: list[tuple[str, Any]] = [
     ("/evaluations", _job_evaluations),
     ("/summary", _job_summary),
     ("/scale", _job_scale),
+    ("/evaluate", _job_evaluate),
     ("/versions", _job_versions),
     ("/plan", job_plan),
 ]

@@ -442,6 +442,11 @@ def _reconcile_group(
         if status == "failed":
             if alloc.get("NextAllocation"):
                 continue
+            if (alloc.get("DesiredTransition") or {}).get("ForceReschedule") and policy:
+                # `nomad job eval -force-reschedule`: replaced now, whatever the policy has left
+                # (reconciler `updateByReschedulable`, ShouldForceReschedule).
+                slots.append(_Slot(alloc["Name"], idx, previous=alloc, reschedule=(policy, 0)))
+                continue
             when, eligible, delay = next_reschedule_time(alloc, policy)
             if eligible and (alloc.get("FollowupEvalID") == eval_id or when - now_ns <= RESCHEDULE_WINDOW_NS):
                 assert policy is not None

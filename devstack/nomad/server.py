@@ -371,6 +371,51 @@ class NomadServer:
             **write_meta(self.store.index),
         }
 
+    def evaluate(self, ns: str, job_id: str, body: Any) -> Json:
+        """`Job.Evaluate` (`nomad job eval [-force-reschedule]`, nomad/job_endpoint.go): a new
+        evaluation of the job; with `EvalOptions.ForceReschedule`, every failed allocation that
+        Nomad has not replaced is marked `DesiredTransition.ForceReschedule`, and the
+        reconciler replaces it now, whatever its reschedule policy has left."""
+        if body is not None and not isinstance(body, dict):
+            raise ApiError(400, "Request decode failed: body must be a JSON object")
+        options = (body or {}).get("EvalOptions") or {}
+        if not isinstance(options, dict):
+            raise ApiError(400, "Request decode failed: EvalOptions must be an object")
+        job = self.store.jobs.get((ns, job_id))
+        if job is None:
+            raise ApiError(500, "job not found")
+        if job.get("Periodic"):
+            raise ApiError(500, "can't evaluate periodic job")
+        if job.get("ParameterizedJob"):
+            raise ApiError(500, "can't evaluate parameterized job")
+        now = self.clock.now_ns()
+        groups = {g["Name"]: g for g in job["TaskGroups"]}
+        with self.store.batch():
+            if options.get("ForceReschedule"):
+                for alloc in self.store.allocs_for_job(ns, job_id):
+                    policy = (groups.get(alloc["TaskGroup"]) or {}).get("ReschedulePolicy") or {}
+                    # ReschedulePolicy.Enabled: attempts left to give, or unlimited.
+                    if not ((policy.get("Attempts") or 0) > 0 or policy.get("Unlimited")):
+                        continue
+                    transition = alloc.get("DesiredTransition") or {}
+                    if (
+                        alloc["ClientStatus"] == "failed"
+                        and not alloc.get("NextAllocation")
+                        and not (transition.get("ForceReschedule"))
+                    ):
+                        updated = {**alloc, "DesiredTransition": {**transition, "ForceReschedule": True}}
+                        self.store.upsert_alloc(updated, "AllocationUpdateDesiredStatus")
+            evaluation = new_eval(job, "job-register", now, JobModifyIndex=job["ModifyIndex"])
+            self.store.upsert_eval(evaluation)
+        self.scheduler.submit(evaluation)
+        return {
+            "EvalID": evaluation["ID"],
+            "EvalCreateIndex": evaluation["CreateIndex"],
+            "JobModifyIndex": job["ModifyIndex"],
+            "Warnings": "",
+            **write_meta(self.store.index),
+        }
+
     def scale_status(self, ns: str, job_id: str) -> Json:
         job = self.store.jobs.get((ns, job_id))
         if job is None:

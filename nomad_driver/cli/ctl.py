@@ -42,6 +42,7 @@ STATE_STYLES = {
     "unplaceable": "bold red",
     "parked": "bold red",
     "refused": "bold red",
+    "gave-up": "bold red",
     "conflict": "bold red",
 }
 
@@ -99,7 +100,8 @@ def print_json(data: Any) -> None:
 
 
 def model_problem(model: dict[str, Any]) -> str | None:
-    """parked, refused (Nomad refuses llmgw's calls for it), unplaceable or short when a model
+    """parked, refused (Nomad refuses llmgw's calls for it), unplaceable, gave-up (Nomad will not
+    replace a failed allocation; llmgw asked it again) or short when a model
     is not serving what it should have now.
 
     Counted from the fields as well as the state word, so an older or newer watcher's state
@@ -113,6 +115,8 @@ def model_problem(model: dict[str, Any]) -> str | None:
         return "refused"
     if model.get("unplaceable") is True or model.get("state") == "unplaceable":
         return "unplaceable"
+    if model.get("nomad_gave_up") or model.get("state") == "gave-up":
+        return "gave-up"
     if as_int(model.get("ready")) < as_int(model.get("desired")) or model.get("state") in (
         "short",
         "starting",
@@ -131,6 +135,8 @@ def model_reason(model: dict[str, Any]) -> str:
         return f"Nomad refuses to {refused.get('action', 'act')}: {refused.get('message', '')}"
     if model.get("unplaceable"):
         return str(model.get("placement_reason") or "")
+    if model.get("nomad_gave_up"):
+        return str(model["nomad_gave_up"])
     if model.get("short"):
         return str(model.get("short_reason") or "")
     return ""
@@ -140,7 +146,15 @@ def _state_text(model: dict[str, Any]) -> Text:
     state = str(model.get("state") or "")
     problem = model_problem(model)
     # A state word that contradicts the counts loses: a model short of replicas reads as short.
-    if problem and state not in ("conflict", "parked", "refused", "unplaceable", "short", "starting"):
+    if problem and state not in (
+        "conflict",
+        "parked",
+        "refused",
+        "unplaceable",
+        "gave-up",
+        "short",
+        "starting",
+    ):
         state = problem
     state = state or "satisfied"
     return Text(state, style=STATE_STYLES.get(state, ""))
@@ -152,7 +166,7 @@ def _console() -> Console:
 
 
 def _problem_first(models: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    order = {"conflict": 0, "parked": 0, "refused": 1, "unplaceable": 2, "short": 3, None: 4}
+    order = {"conflict": 0, "parked": 0, "refused": 1, "unplaceable": 2, "gave-up": 2, "short": 3, None: 4}
     return sorted(models, key=lambda m: (order[model_problem(m)], str(m.get("model", ""))))
 
 

@@ -28,6 +28,7 @@ from nomad_driver.watcher.reconcile import (
     Action,
     Activate,
     Decision,
+    ForceReschedule,
     ModelView,
     NomadAction,
     Park,
@@ -261,7 +262,9 @@ class Actor:
                 with attempt:
                     await self._apply_once(model, action)
         except NomadError as exc:
-            kind = {RegisterJob: "register", Scale: "scale", Park: "park"}.get(type(action), "")
+            kind = {RegisterJob: "register", Scale: "scale", Park: "park", ForceReschedule: "reschedule"}.get(
+                type(action), ""
+            )
             if isinstance(action, Scale) and exc.status == 400 and DEPLOYMENT_BLOCKS_SCALE in str(exc):
                 # Not a refusal of the model: held, said once, asked again once it ends.
                 if model.name not in self.held:
@@ -317,6 +320,15 @@ class Actor:
                 model.job_id,
                 action.count,
                 action.fabric or "-",
+            )
+        elif isinstance(action, ForceReschedule):
+            self.leadership.check_lease(f"rescheduling {action.job_id}")
+            await asyncio.to_thread(self.nomad.force_reschedule, action.job_id)
+            log.warning(
+                "event=nomad_gave_up model=%s job=%s allocs=%s action=force_reschedule",
+                model.name,
+                action.job_id,
+                ",".join(a[:8] for a in action.allocs),
             )
         elif isinstance(action, Scale):
             await self._scale_replica(model, action.job_id, action.group, action.count, action.message)

@@ -104,6 +104,12 @@ class WatcherCollector(Collector):
                 "Requests in flight on the model's replicas, summed over the routers.",
                 labels=["model"],
             ),
+            "gave_up": GaugeMetricFamily(
+                "llmgw_model_nomad_gave_up",
+                "1 while Nomad will not replace a failed allocation of the model (its reschedule attempts "
+                "spent) and llmgw has asked it to reschedule anyway.",
+                labels=["model"],
+            ),
             "short": GaugeMetricFamily(
                 "llmgw_model_short",
                 "1 while Nomad cannot place the replicas the model's load asks for (its minimum serves).",
@@ -128,6 +134,7 @@ class WatcherCollector(Collector):
             gauges["unplaceable"].add_metric([name], 1 if d and d.state.unplaceable else 0)
             gauges["refused"].add_metric([name], 1 if d and d.state.last_action_error else 0)
             gauges["short"].add_metric([name], 1 if d and d.state.short else 0)
+            gauges["gave_up"].add_metric([name], 1 if d and d.state.nomad_gave_up else 0)
             for reason in REASONS:
                 reasons.add_metric([name, reason], 1 if d and d.desired_reason == reason else 0)
         yield from gauges.values()
@@ -192,6 +199,8 @@ def model_status(w: Watcher, name: str) -> dict[str, Any]:
         word = "refused"
     elif d.state.unplaceable:
         word = "unplaceable"
+    elif d.state.nomad_gave_up:
+        word = "gave-up"  # Nomad will not replace a failed allocation; llmgw asked it again
     elif d.state.short:
         word = "short"  # serving its minimum; Nomad cannot place what the load asks for
     elif d.ready >= d.desired:
@@ -221,6 +230,7 @@ def model_status(w: Watcher, name: str) -> dict[str, Any]:
         "desired_detail": d.desired_detail,
         "short": d.state.short,
         "short_reason": redact(d.state.short_reason),
+        "nomad_gave_up": d.state.nomad_gave_up,
         "ready": d.ready,
         "starting": d.starting,
         "satisfied": d.ready >= d.desired and not d.state.parked,

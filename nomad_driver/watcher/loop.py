@@ -49,6 +49,7 @@ from nomad_driver.watcher.in_flight import (
     requests_in_flight,
     routers_change_at,
 )
+from nomad_driver.watcher.isolation import BrokenModels, broken_decision, reconcile_each
 from nomad_driver.watcher.leader import LeaderInfo, Leadership, LeaseLost
 from nomad_driver.watcher.quiet import quiet_until, record_differences, verify_file
 from nomad_driver.watcher.reconcile import (
@@ -57,7 +58,6 @@ from nomad_driver.watcher.reconcile import (
     ModelView,
     Park,
     job_group,
-    reconcile,
     retried,
 )
 from nomad_driver.watcher.replicas import (
@@ -243,6 +243,7 @@ class Watcher:
         self._replica_since: dict[str, tuple[str, float]] = {}
         # The engine's own words for a failed start, read once per start.
         self.engine_errors = EngineErrors(nomad, self.config.stderr_wait_s)
+        self.broken = BrokenModels()
         # States written under the leader's lock, and the actions that write them.
         self.states = FencedStates(consul, self.leadership)
         self.actor = Actor(nomad, self.leadership, self.states, self.engine_errors, clock)
@@ -519,7 +520,8 @@ class Watcher:
         """One pass; whether it did all it had to (a pass after one that did not is never
         skipped: what it left undone is asked again)."""
         views = self.build_views(now)
-        decisions = {name: reconcile(v, self.config.max_start_failures) for name, v in views.items()}
+        decisions = reconcile_each(views, self.config.max_start_failures, self.decisions, self.broken)
+        self.broken.keep_only(views)
         parks = {
             (a.alloc_id, a.task, a.failures)
             for d in decisions.values()
@@ -545,6 +547,7 @@ class Watcher:
             await self._restore_definitions()
             if self._definitions_missing:
                 return False
+        complete = True
         async with self._apply_lock:
             for name, d in decisions.items():
                 self._log_placement(d)
@@ -555,6 +558,12 @@ class Watcher:
                 except LeaseLost as exc:
                     log.warning("event=actions_stopped model=%s reason=%r", d.model, str(exc))
                     return False
+                except Exception as exc:  # a Consul write that failed, or worse: this model only
+                    why = self.broken.failed(name, "apply", exc)
+                    decisions[name] = broken_decision(views[name], d, why)
+                    complete = False
+                else:
+                    self.broken.succeeded(name, "apply")
             await self._forget_gone_routers()
             try:
                 # Within the lease: a Consul that hangs must not hold the pass, and with it the
@@ -567,7 +576,7 @@ class Watcher:
                 self.health.forget()
                 log.warning("event=health_sync_failed error=%r", str(exc) or type(exc).__name__)
                 return False
-        return True
+        return complete
 
     def _quiet_deadline(self, now: float) -> float:
         """Until when a pass with nothing new to read would decide what this one did."""

@@ -13,10 +13,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from nomad_driver.fields import as_int
 from nomad_driver.placement import FabricRoom, PlacementFailure, job_fabric, latest_placement_failure
 from nomad_driver.render import SHARD_GROUP
 from nomad_driver.spec import Model
 from nomad_driver.state import CountedStart, ModelState
+from nomad_driver.watcher.given_up import gave_up_reason, spent_slots
 from nomad_driver.watcher.parking import FailureCount, Ledger, StartId, count_start_failures, count_starts
 from nomad_driver.watcher.replica_starts import ReplicaStarts, replica_starts, stuck_start
 from nomad_driver.watcher.replica_steps import ReplicaStep, replica_step
@@ -125,9 +127,18 @@ class WriteState:
     cas: int
 
 
-Action = RegisterJob | Scale | Activate | Park | WriteState
+@dataclass(frozen=True)
+class ForceReschedule:
+    """Ask Nomad to replace failed allocations it has given up on (`given_up.py`)."""
+
+    model: str
+    job_id: str
+    allocs: tuple[str, ...]
+
+
+Action = RegisterJob | Scale | Activate | Park | WriteState | ForceReschedule
 # The actions that call Nomad, whose refusals become the model's `last_action_error`.
-NomadAction = (RegisterJob, Scale, Activate, Park)
+NomadAction = (RegisterJob, Scale, Activate, Park, ForceReschedule)
 
 
 @dataclass(frozen=True)
@@ -287,8 +298,36 @@ def counted_definition(view: ModelView, state: ModelState) -> ModelState:
         state = cleared(state, max(newest_start_ns(view), state.failures_after_ns))
         state = state.model_copy(update={"count_def_hash": m.def_hash, "count_job_version": -1})
     if state.count_job_version < 0 and job_def_hash(view.job) == m.def_hash:
-        state = state.model_copy(update={"count_job_version": job_version(view.job)})
+        state = state.model_copy(
+            update={
+                "count_job_version": job_version(view.job),
+                "count_job_create_index": job_create_index(view.job),
+            }
+        )
+    elif job_def_hash(view.job) == m.def_hash and job_recreated(view.job, state):
+        # Purged and registered again (`nomad job stop -purge`, Nomad's job GC, a rebuilt
+        # cluster): the new job's versions start over at 0, and every one of them counts. Kept
+        # at the old version, the ledger would drop each new start, and a crash-looping model
+        # would never park.
+        state = state.model_copy(
+            update={"count_job_version": 0, "count_job_create_index": job_create_index(view.job)}
+        )
+    elif not state.count_job_create_index and job_create_index(view.job):
+        state = state.model_copy(update={"count_job_create_index": job_create_index(view.job)})
     return state
+
+
+def job_create_index(job: Mapping[str, Any] | None) -> int:
+    return as_int(job.get("CreateIndex")) if isinstance(job, Mapping) else 0
+
+
+def job_recreated(job: Mapping[str, Any] | None, state: ModelState) -> bool:
+    """The job is not the one the count's version was taken from: another CreateIndex, or, where
+    the state predates knowing it, a version below the one recorded (Nomad never lowers one)."""
+    created = job_create_index(job)
+    if state.count_job_create_index and created:
+        return created != state.count_job_create_index
+    return job_version(job) < state.count_job_version
 
 
 def same_state(a: ModelState, b: ModelState) -> bool:
@@ -453,6 +492,15 @@ def reconcile(view: ModelView, max_start_failures: int = DEFAULT_MAX_START_FAILU
         }
     )
 
+    # Nomad's budgets ran out before the count reached the threshold: ask again, never leave it
+    # silently down (given_up.py).
+    spent: tuple[str, ...] = ()
+    if not state.parked and not park_now and not multinode and current and desired > 0:
+        spent = spent_slots(view.job, view.allocs)
+    state = state.model_copy(update={"nomad_gave_up": gave_up_reason(spent)})
+    if spent:
+        actions.append(ForceReschedule(m.name, m.job_id, spent))
+
     if park_now and view.job is not None:
         # Park writes the state itself, after reading the engine's stderr for the real error.
         last = failures.last_failed
@@ -579,6 +627,15 @@ def model_health(
     return status, f"{text} ({why})" if why and not state.parked and not state.job_conflict else text
 
 
+def utc_text(seconds: float) -> str:
+    """A stored Unix time for people; a value no calendar holds (a hand-edited 1e300) reads as
+    such, rather than failing the pass that shows it."""
+    try:
+        return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(seconds))
+    except (OverflowError, OSError, ValueError):
+        return f"an unreadable time ({seconds!r})"
+
+
 def _health(
     model: str, state: ModelState, desired: int, ready: int, starting: int
 ) -> tuple[HealthStatus, str]:
@@ -594,11 +651,13 @@ def _health(
     if refused is not None:
         return "critical", (
             f"Nomad refuses to {refused.action} it (HTTP {refused.status}) since "
-            f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(refused.since))}: {refused.message}; "
+            f"{utc_text(refused.since)}: {refused.message}; "
             "fix the job or llmgw's Nomad token; cleared when Nomad next accepts"
         )
     if state.unplaceable:
         return "critical", f"unplaceable: {state.placement_reason}"
+    if state.nomad_gave_up:
+        return "critical", state.nomad_gave_up
     if state.short:
         # The minimum serves: a warning, not an outage.
         return (
