@@ -128,9 +128,13 @@ typecheck: setup
 	$(VENV)/bin/mypy
 
 # The 25 slowest tests and fixture set-ups are printed on every run, so the suite's cost stays
-# in view (CI prints them too).
+# in view (CI prints them too). Most tests wait (on Consul, the stand-in, an engine starting),
+# so they run on PYTEST_WORKERS processes even on two cores: each worker has its own Consul agent
+# and its own bands of ports (devstack/ports.py), and a module's tests stay on one worker
+# (--dist loadscope), so module fixtures are made once. PYTEST_WORKERS=0 runs them in one process.
+PYTEST_WORKERS ?= 3
 pytest: setup
-	$(VENV)/bin/pytest -q --durations=25 $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -q -n $(PYTEST_WORKERS) --dist loadscope --durations=25 $(PYTEST_ARGS)
 
 # While editing: the tests that start no process of their own (no Consul, stand-in, engine,
 # router or watcher subprocess), marked so by tests/conftest.py. Under two minutes; `make test`

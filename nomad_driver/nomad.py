@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import json
 import os
+import socket
 import threading
 from collections.abc import Iterable
 from typing import Any
@@ -296,10 +297,22 @@ class EventStream:
         return out
 
     def close(self) -> None:
-        # The thread notices at its next line (a heartbeat at the latest); closing the response
-        # from here only hurries it.
+        # The reader thread notices at its next line. Closing the response from here would wait
+        # for the reader's lock, held across its read until the next heartbeat (10 s on Nomad),
+        # and stall the event loop that long; shutting the socket down ends that read at once.
         self._closed.set()
-        if self._response is not None:
-            # Closing from another thread may meet a socket already dead; either way it is done.
-            with contextlib.suppress(Exception):
-                self._response.close()
+        response = self._response
+        if response is None:
+            return
+        sock = getattr(getattr(response.raw, "connection", None), "sock", None)
+        if sock is not None:
+            # A socket already dead answers with an error; either way the read is over.
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            return
+        threading.Thread(target=self._close_quietly, args=(response,), daemon=True).start()
+
+    @staticmethod
+    def _close_quietly(response: requests.Response) -> None:
+        with contextlib.suppress(Exception):
+            response.close()

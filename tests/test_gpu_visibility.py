@@ -147,7 +147,7 @@ async def test_the_leader_and_the_shard_of_a_two_node_replica_each_see_their_all
 ) -> None:
     nodes_file = effective_nodes(FABRICS, llama_cpp_engines, tmp_path / "nodes.yaml")
     standin = start_standin(nodes=nodes_file)
-    (model,) = parse_models(llama_cpp_models("tiny-split", make_gguf(), nodes=2)).models.values()
+    (model,) = parse_models(llama_cpp_models("gpu-split", make_gguf(), nodes=2)).models.values()
     job = render_job(model)
     job["Constraints"].append({"LTarget": "${meta.llmgw_fabric}", "RTarget": "ib-a", "Operand": "="})
     reply = httpx.put(f"{standin.url}/v1/jobs", json={"Job": job}, timeout=10)

@@ -48,6 +48,7 @@ from devstack.nomad.feasible import (
     view_of,
 )
 from devstack.nomad.nodes import LOOPBACK, MAX_DYNAMIC_PORT, MIN_DYNAMIC_PORT
+from devstack.ports import worker_band
 
 Json = dict[str, Any]
 
@@ -194,11 +195,13 @@ def port_is_bindable(port: int) -> bool:
 
 def _pick_dynamic(count: int, taken: set[int]) -> list[int] | None:
     chosen: list[int] = []
-    span = MAX_DYNAMIC_PORT - MIN_DYNAMIC_PORT + 1
+    # Every stand-in on this machine shares its loopback: in parallel test workers each picks
+    # from a band of its own (devstack/ports.py), so two stand-ins never hand out one port.
+    low, high = worker_band(MIN_DYNAMIC_PORT, MAX_DYNAMIC_PORT + 1)
     tries = 0
     while len(chosen) < count and tries < 200:
         tries += 1
-        port = MIN_DYNAMIC_PORT + _rng.randrange(span)
+        port = low + _rng.randrange(high - low)
         if port in taken or port in chosen:
             continue
         if port_is_bindable(port):

@@ -236,6 +236,7 @@ class Watcher:
         self._starts_from = -1.0
         self._malformed_reported: set[tuple[str, int]] = set()
         self._tasks: list[asyncio.Task[None]] = []
+        self._executor: ThreadPoolExecutor | None = None
         self._apply_lock = asyncio.Lock()
         self.leader_changes = 0
         # Replicas as of the last pass, and since when each has been in its state.
@@ -276,7 +277,8 @@ class Watcher:
         loop = asyncio.get_running_loop()
         # Two Nomad long polls hold a thread each for their whole wait (the event streams read
         # in threads of their own); leave room for the short calls (scale, register, logs).
-        loop.set_default_executor(ThreadPoolExecutor(max_workers=16, thread_name_prefix="llmgw-nomad"))
+        self._executor = ThreadPoolExecutor(max_workers=16, thread_name_prefix="llmgw-nomad")
+        loop.set_default_executor(self._executor)
         for coro in (
             self.leadership.run(),
             self.kv.run(),
@@ -297,6 +299,13 @@ class Watcher:
         self.alloc_feed.close()
         self.job_feed.close()
         await self.leadership.resign()
+        if self._executor is not None:
+            # Nomad long polls still held in its threads end on their own, within their wait;
+            # the event loop need not wait for them to close (it would, for up to that wait,
+            # if they stayed its default executor).
+            asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(max_workers=4))
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
 
     async def _loop(self) -> None:
         while True:
