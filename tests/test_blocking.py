@@ -4,8 +4,8 @@ watches run on: its index rules, its token bucket, and how it rides out a far si
 from __future__ import annotations
 
 import asyncio
-import logging
 import contextlib
+import logging
 import time
 
 import pytest
