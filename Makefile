@@ -132,7 +132,7 @@ typecheck: setup
 # so they run on PYTEST_WORKERS processes even on two cores: each worker has its own Consul agent
 # and its own bands of ports (devstack/ports.py), and a module's tests stay on one worker
 # (--dist loadscope), so module fixtures are made once. PYTEST_WORKERS=0 runs them in one process.
-PYTEST_WORKERS ?= 3
+PYTEST_WORKERS ?= 2
 pytest: setup
 	$(VENV)/bin/pytest -q -n $(PYTEST_WORKERS) --dist loadscope --durations=25 $(PYTEST_ARGS)
 
