@@ -75,11 +75,6 @@ def cuda_device_names(gpus: int) -> str:
     return ",".join(f"CUDA{i}" for i in range(gpus))
 
 
-def prologue() -> str:
-    """The shell text that checks and exports; the caller appends what runs after it."""
-    return _PROLOGUE
-
-
 def checked_command(gpus: int, probe: str, command: str, args: list[str]) -> dict[str, object]:
     """A raw_exec config that runs `command args` only once the engine sees `gpus` GPUs."""
     return {
