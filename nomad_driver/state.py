@@ -125,6 +125,11 @@ class ModelState(BaseModel):
     # Failures after that start, counted while an earlier start was still loading (so the count
     # could not be folded past it yet): each still counts after Nomad forgets it.
     counted_later: list[CountedStart] = Field(default_factory=list)
+    # The newest starts up to `counted_through_*` whose outcome is counted: a start Nomad
+    # reports late, older than that one but not named here, is still counted.
+    counted_decided: list[CountedStart] = Field(default_factory=list)
+    # Starts at or before this one are taken as decided (the list above is bounded).
+    counted_decided_floor: CountedStart | None = None
     # The definition hash the count belongs to, and the first Nomad job version that ran it:
     # allocations of older versions ran an older definition and never count (-1: the new
     # definition is not in Nomad yet).
@@ -133,6 +138,17 @@ class ModelState(BaseModel):
     # The CreateIndex of the Nomad job `count_job_version` belongs to: a job purged and
     # registered again starts its versions over at 0 (0 here: not yet known).
     count_job_create_index: int = 0
+    # The Nomad index of the job version that brought the definition (its JobModifyIndex when
+    # the watcher first saw it): an allocation created at or before it was updated in place,
+    # and its starts count only after `count_def_after_ns` (the newest start Nomad showed then).
+    count_def_index: int = 0
+    count_def_after_ns: int = 0
+    # A retry's baseline: failed allocations whose starts all lie before it are asked of Nomad
+    # again even while other replicas serve (watcher/given_up.py).
+    retried_through_ns: int = 0
+    # Some replicas serve while a slot keeps failing (a bad node, a bad GPU): the model is not
+    # parked, and this says which slot, where and why; "" otherwise.
+    degraded: str = ""
     # Nomad gave up on a failed allocation (its reschedule budget spent) and llmgw asked it again
     # (watcher/given_up.py): what Nomad would not do, in words; "" otherwise.
     nomad_gave_up: str = ""

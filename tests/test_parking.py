@@ -125,8 +125,11 @@ def test_failures_behind_a_start_still_loading_still_count_after_nomad_forgets_t
     count = count_start_failures([died, sibling], frozenset(), ledger)
     assert count.consecutive == 9
     assert count.ledger.later == () and count.ledger.counted == 9
-    # Or it turns healthy: it began before all those failures, so they still count, from 0.
-    assert count_start_failures([loader, sibling], frozenset({(5, "slow")}), ledger).consecutive == 8
+    # Or it turns healthy: a replica serves, so the model is degraded, not counting
+    # (watcher/partial.py), and every start shown so far is forgiven.
+    serving = count_start_failures([loader, sibling], frozenset({(5, "slow")}), ledger)
+    assert serving.consecutive == 0 and serving.serving
+    assert serving.ledger.after_ns == 800
 
 
 def test_what_is_remembered_behind_a_loading_start_is_bounded() -> None:
@@ -164,3 +167,35 @@ def test_a_restart_for_a_failing_health_check_is_a_failure() -> None:
     signaled = ev("Restart Signaled", 11, RestartReason='healthcheck: check "engine ready" unhealthy')
     a = alloc("a", ev("Started", 10), signaled, ev("Terminated", 12), ev("Restarting", 13), status="running")
     assert count_start_failures([a], frozenset()).consecutive == 1
+
+
+def test_a_start_nomad_reports_after_a_newer_failure_still_counts() -> None:
+    """Nomad's clients report to the servers in batches, and a client cut off for a while
+    reports late: a failed start can reach the watcher after a newer start's failure."""
+    newer = alloc("b", *crash(20))
+    first = count_start_failures([newer], frozenset())
+    assert first.consecutive == 1
+    # Allocation a's start began at 10 and failed; its events arrive only now.
+    late = alloc("a", *crash(10))
+    now = count_start_failures([late, newer], frozenset(), first.ledger)
+    assert now.consecutive == 2
+    # A watcher started afresh, with nothing stored, agrees; and so does one from the ledger
+    # once Nomad forgot both allocations.
+    assert count_start_failures([late, newer], frozenset()).consecutive == 2
+    assert count_start_failures([], frozenset(), now.ledger).consecutive == 2
+    # Reported again (an unchanged view), it is not counted twice.
+    assert count_start_failures([late, newer], frozenset(), now.ledger).consecutive == 2
+
+
+def test_a_serving_replica_holds_the_count_at_zero_whatever_its_sibling_does() -> None:
+    """One replica serves; another slot crash-loops on a bad node: the model is not parked
+    (watcher/partial.py), and the starts so far are forgiven."""
+    serving = alloc("a", ev("Started", 5), status="running")
+    looping = alloc("b", *crash(10), ev("Restarting", 12), *crash(20), ev("Restarting", 22), *crash(30))
+    count = count_start_failures([serving, looping], frozenset({(5, "a")}))
+    assert count.consecutive == 0 and count.serving
+    assert count.ledger.after_ns == 30
+    # The serving replica goes; the slot fails twice more: two, counted from there.
+    died = alloc("a", ev("Started", 5), ev("Terminated", 40, DisplayMessage="Exit Code: 137"))
+    again = alloc("b", *looping["TaskStates"]["engine"]["Events"], *crash(50), *crash(60))
+    assert count_start_failures([died, again], frozenset(), count.ledger).consecutive == 2

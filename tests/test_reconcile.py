@@ -283,12 +283,68 @@ def test_a_new_definition_starts_its_own_count_even_unparked() -> None:
     assert d.state.count_job_version == -1
     assert RegisterJob("kev", 1) in d.actions
     # Registered as version 3; a late failure of an old allocation still does not count, the
-    # new definition's own failures do.
-    new_job = dict(job(KEV, 1), Version=3)
-    later = (*more, dict(crashed("a5", 60), JobVersion=1), dict(crashed("b0", 70), JobVersion=3))
+    # new definition's own failures do (Nomad created b0 for it: a later Raft index).
+    new_job = dict(job(KEV, 1), Version=3, JobModifyIndex=100)
+    later = (
+        *more,
+        dict(crashed("a5", 60), JobVersion=1, CreateIndex=40),
+        dict(crashed("b0", 70), JobVersion=3, CreateIndex=101),
+    )
     d = reconcile(view(job=new_job, allocs=later, state=d.state))
     assert d.state.count_job_version == 3
     assert d.state.consecutive_failures == 1 and not d.state.parked
+
+
+def test_a_new_definition_that_failed_before_any_watcher_saw_it_keeps_those_failures() -> None:
+    """`llmgw apply` registers the job itself: with no leader running, the new definition can
+    fail four times before a watcher first sees it. Those four are its own, not forgiven."""
+    old = dataclasses.replace(KEV, def_hash="old")
+    d = reconcile(view(old, job=dict(job(old, 1), Version=2, JobModifyIndex=50)))
+    assert d.state.count_def_hash == "old"
+    # The old definition's allocation, replaced; then four of the new one's, all failed.
+    allocs = (
+        dict(crashed("a0", 10), JobVersion=2, CreateIndex=51),
+        *(dict(crashed(f"b{i}", 100 + 10 * i), JobVersion=3, CreateIndex=201 + i) for i in range(4)),
+    )
+    new_job = dict(job(KEV, 1), Version=3, JobModifyIndex=200)
+    d = reconcile(view(job=new_job, allocs=allocs, state=d.state))
+    assert d.state.count_job_version == 3
+    assert d.state.consecutive_failures == 4 and not d.state.parked
+    # The fifth parks it.
+    more = (*allocs, dict(crashed("b4", 150), JobVersion=3, CreateIndex=205))
+    d = reconcile(view(job=new_job, allocs=more, state=d.state, state_index=3))
+    assert next(a for a in d.actions if isinstance(a, Park)).failures == 5
+
+
+def test_an_allocation_updated_in_place_counts_for_the_new_definition_from_its_next_start() -> None:
+    """A definition change Nomad applies in place (only a service's meta changed) keeps the
+    allocation: its failures before the change were the old definition's."""
+    old = dataclasses.replace(KEV, def_hash="old")
+    looping = {
+        "ID": "a0",
+        "ClientStatus": "running",
+        "DesiredStatus": "run",
+        "JobVersion": 2,
+        "CreateIndex": 40,
+        "TaskStates": {
+            "engine": {
+                "Events": [
+                    *crashed("x", 10)["TaskStates"]["engine"]["Events"],
+                    {"Type": "Started", "Time": 20},
+                ]
+            }
+        },
+    }
+    d = reconcile(view(old, job=dict(job(old, 1), Version=2, JobModifyIndex=40), allocs=(looping,)))
+    assert d.state.consecutive_failures == 1
+    moved = dict(looping, JobVersion=3)  # updated in place into the new version
+    d = reconcile(view(job=dict(job(KEV, 1), Version=3, JobModifyIndex=60), allocs=(moved,), state=d.state))
+    assert d.state.consecutive_failures == 0 and d.state.count_def_after_ns == 20
+    events = moved["TaskStates"]["engine"]["Events"]
+    died = dict(moved, TaskStates={"engine": {"Events": [*events, {"Type": "Terminated", "Time": 30}]}})
+    d = reconcile(view(job=dict(job(KEV, 1), Version=3, JobModifyIndex=60), allocs=(died,), state=d.state))
+    # Its start at 20 began before the watcher saw the new definition: not counted as its.
+    assert d.state.consecutive_failures == 0
 
 
 def test_the_count_survives_nomad_forgetting_the_allocations_it_was_made_of() -> None:

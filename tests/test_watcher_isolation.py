@@ -84,7 +84,9 @@ def test_a_purged_and_recreated_job_still_parks_after_five_failed_starts() -> No
     state = ModelState(count_def_hash=KEV.def_hash, count_job_version=7, count_job_create_index=100)
     recreated = {**job(KEV, 1), "Version": 0, "CreateIndex": 900}
     base = int(NOW * 1e9) - 10_000_000_000
-    allocs = tuple({**crashed(f"a{i}", base + i * 1000), "JobVersion": 0} for i in range(5))
+    allocs = tuple(
+        {**crashed(f"a{i}", base + i * 1000), "JobVersion": 0, "CreateIndex": 901 + i} for i in range(5)
+    )
     decision = reconcile(view(job=recreated, allocs=allocs, state=state), 5)
     assert decision.state.parked, decision.state
     assert decision.state.consecutive_failures == 5

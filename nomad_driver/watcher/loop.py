@@ -36,7 +36,6 @@ from nomad_driver.state import (
     parse_state,
     state_key,
 )
-from nomad_driver.watcher import parking
 from nomad_driver.watcher.acting import Actor
 from nomad_driver.watcher.engine_errors import EngineErrors
 from nomad_driver.watcher.feeds import AllocationFeed, JobFeed
@@ -62,14 +61,12 @@ from nomad_driver.watcher.reconcile import (
 )
 from nomad_driver.watcher.replicas import (
     alloc_index,
-    entry_alloc_id,
-    entry_model,
     list_replicas,
     node_fabrics,
-    passing,
     replica_alloc_id,
 )
 from nomad_driver.watcher.scaling import DEFAULT_STEP_INTERVAL_S, DEFAULT_UP_WINDOW_S, LoadHistory, busy_floor
+from nomad_driver.watcher.sightings import StartSightings
 from nomad_driver.watcher.watch import (
     JobCache,
     NodeCache,
@@ -229,11 +226,8 @@ class Watcher:
         # The last pass that saw requests in flight per model: a request the watcher saw is
         # activity, whatever (or however poisoned) the router's activity key says after it.
         self._last_in_flight: dict[str, float] = {}
-        # When each running start first appeared in Nomad's allocations (monotonic; -inf for
-        # those already there at this watcher's first look), and which allocations snapshot
-        # that was read from: a passing check vouches only for a start Consul answered about.
-        self._start_seen: dict[parking.StartId, float] = {}
-        self._starts_from = -1.0
+        # Which start each allocation's passing check vouches for (`sightings.py`).
+        self.sightings = StartSightings()
         self._malformed_reported: set[tuple[str, int]] = set()
         self._tasks: list[asyncio.Task[None]] = []
         self._executor: ThreadPoolExecutor | None = None
@@ -393,26 +387,13 @@ class Watcher:
         for e in self.evals.snapshot.data if self.evals.snapshot else ():
             evals_by_job.setdefault(str(e.get("JobID")), []).append(e)
 
-        self._note_starts()
-        engines_at = self.engines.snapshot.taken_at if self.engines.snapshot else 0.0
-        ready: dict[str, int] = {}
         # The starts passing their check now: a fact of these snapshots, not a memory. Which
         # start was ever healthy outlives it only through the model's stored count (baseline).
-        passing_starts: set[parking.StartId] = set()
-        for entry in self.engines.snapshot.data if self.engines.snapshot else ():
-            if not passing(entry):
-                continue
-            engine_model = entry_model(entry)
-            ready[engine_model] = ready.get(engine_model, 0) + 1
-            alloc_id = entry_alloc_id(entry)
-            alloc = allocs_by_id.get(alloc_id) if alloc_id else None
-            if alloc is not None:
-                start = parking.current_start(alloc)
-                # Consul's answer may predate Nomad's: an engine restarted in place has a new
-                # start while Consul still shows the old one's passing check.
-                if start is not None and self._start_seen.get(start, engines_at) < engines_at:
-                    passing_starts.add(start)
-        healthy = frozenset(passing_starts)
+        passing_now = self.sightings.passing(
+            self.engines.snapshot.data if self.engines.snapshot else (),
+            allocs_by_id,
+        )
+        ready, healthy = passing_now.ready, passing_now.healthy
 
         in_flight, busy, grace = requests_in_flight(kv, now, self.config.activity_interval_s)
         asked = asks(kv, now)
@@ -479,19 +460,6 @@ class Watcher:
             return
         self._routers_checked_at = now
         await forget_gone_routers(self.consul, self.kv.snapshot.data if self.kv.snapshot else {}, now)
-
-    def _note_starts(self) -> None:
-        """Remember when each running start first showed in Nomad's allocations."""
-        snap = self.allocs.snapshot
-        if snap is None or snap.taken_at == self._starts_from:
-            return
-        first = self._starts_from < 0
-        seen: dict[parking.StartId, float] = {}
-        for alloc in snap.data:
-            start = parking.current_start(alloc)
-            if start is not None:
-                seen[start] = self._start_seen.get(start, float("-inf") if first else snap.taken_at)
-        self._start_seen, self._starts_from = seen, snap.taken_at
 
     def ready_to_act(self) -> bool:
         """Act only on a complete picture: a watcher that has not yet read Nomad's allocations

@@ -64,6 +64,7 @@ class Start:
     failed: bool  # ended without being asked to and was never healthy
     error: str  # what Nomad's events said, e.g. "Exit Code: 1"
     ended_ns: int = 0  # when it ended, as far as Nomad's events say; 0 while it runs
+    created_index: int = 0  # its allocation's CreateIndex (Nomad's Raft index)
 
     @property
     def ident(self) -> StartId:
@@ -82,6 +83,16 @@ class Ledger:
     when Nomad forgets it, unless that loading start turns out healthy before it. `job_version`:
     the first job version that ran the current definition; allocations of older versions ran an
     older one and never count (-1: the definition has not reached Nomad yet, so nothing counts).
+    `job_created`: the CreateIndex of the job `job_version` belongs to; allocations created
+    before it belong to a job since purged, whose starts the ledger has counted already.
+    `decided`: the newest starts at or before `through` whose outcome is counted, so that a
+    start Nomad reports late (older than `through`, never seen) still counts; `decided_floor`:
+    starts at or before it are taken as decided (those the bounded list let go of, or all up
+    to `through` in a ledger stored before the list existed). `def_index`, `def_after_ns`: an allocation created at
+    or before Nomad's index `def_index` (the job version that brought the current definition)
+    was updated in place into it, and its starts count only after `def_after_ns`, the newest
+    start Nomad showed when the watcher first saw the definition there; allocations created for
+    the definition count from their first start.
     """
 
     after_ns: int = 0
@@ -89,6 +100,11 @@ class Ledger:
     counted: int = 0
     job_version: int = 0
     later: tuple[StartId, ...] = ()
+    decided: tuple[StartId, ...] = ()
+    decided_floor: StartId | None = None
+    job_created: int = 0
+    def_index: int = 0
+    def_after_ns: int = 0
 
 
 @dataclass(frozen=True)
@@ -97,6 +113,7 @@ class FailureCount:
     last_failed: Start | None  # the newest failure Nomad still lists, for its error
     ledger: Ledger  # what to store so the next count, by any watcher, starts from here
     newest_start_ns: int  # where a retry puts its baseline
+    serving: bool = False  # a start of the current definition passes its check now
 
 
 def starts_of(alloc: Mapping[str, Any]) -> list[Start]:
@@ -106,6 +123,7 @@ def starts_of(alloc: Mapping[str, Any]) -> list[Start]:
     if not isinstance(states, dict):
         return []
     version = as_int(alloc.get("JobVersion"))
+    created = as_int(alloc.get("CreateIndex"))
     live = alloc.get("ClientStatus") in _LIVE_CLIENT
     alloc_failed = alloc.get("ClientStatus") == "failed"
     out: list[Start] = []
@@ -124,21 +142,33 @@ def starts_of(alloc: Mapping[str, Any]) -> list[Start]:
             elif kind == "Terminated" and current is not None:
                 failed = not current["stopping"]
                 out.append(
-                    Start(alloc_id, str(task), current["time"], version, True, failed, event_text(ev), t)
+                    Start(
+                        alloc_id,
+                        str(task),
+                        current["time"],
+                        version,
+                        True,
+                        failed,
+                        event_text(ev),
+                        t,
+                        created,
+                    )
                 )
                 current = None
             elif kind in _FAILED_BEFORE_START and current is None:
-                out.append(Start(alloc_id, str(task), t, version, True, True, event_text(ev), t))
+                out.append(Start(alloc_id, str(task), t, version, True, True, event_text(ev), t, created))
         if current is not None:
             if live:
-                out.append(Start(alloc_id, str(task), current["time"], version, False, False, ""))
+                out.append(Start(alloc_id, str(task), current["time"], version, False, False, "", 0, created))
             else:
                 # Its allocation is over but the exit fell off the event list (or never came,
                 # a lost node): a failed allocation is a failed start, anything else was stopped.
                 failed = alloc_failed and not current["stopping"]
                 error = redact(str(alloc.get("ClientDescription") or "allocation failed")) if failed else ""
                 ended = max(as_int(alloc.get("ModifyTime")), current["time"])
-                out.append(Start(alloc_id, str(task), current["time"], version, True, failed, error, ended))
+                out.append(
+                    Start(alloc_id, str(task), current["time"], version, True, failed, error, ended, created)
+                )
     return out
 
 
@@ -164,7 +194,8 @@ def count_start_failures(
     """Consecutive failed starts: the ledger's count, plus the failures Nomad shows after it.
 
     `healthy` are the starts whose check passes now. Starts are taken in order of their
-    `Started` time. A healthy start resets the count and becomes the new baseline. A start
+    `Started` time. While one of them serves, the count is 0 and every start shown so far
+    becomes the baseline: a model with a serving replica is never parked. A start
     still loading decides nothing yet: failures after it are counted, and the ledger names them
     in `later` (up to `remember` of them), because `through` moves only over starts whose
     outcome is known, so that start is still counted when it ends."""
@@ -185,45 +216,95 @@ def count_starts(
     leader's, each failed too when one of its shards failed during it (`watcher.replica_starts`)."""
     starts = list(starts)
     shown = {s.ident for s in starts}
-    # Failures counted behind a loading start that Nomad no longer lists still count; with no
-    # events left, their error is unknown, and the newest error Nomad still shows is kept.
-    remembered = [
-        Start(alloc_id, "", time_ns, ledger.job_version, True, True, "")
-        for time_ns, alloc_id in ledger.later
-        if (time_ns, alloc_id) not in shown
-    ]
-    newest = max((s.time_ns for s in [*starts, *remembered]), default=0)
+    newest = max((s.time_ns for s in starts), default=0)
     if ledger.job_version < 0:
-        return FailureCount(ledger.counted, None, ledger, newest)
+        return FailureCount(ledger.counted, None, ledger, max([newest, *(t for t, _ in ledger.later)]))
+    mine = [s for s in starts if _of_definition(s, ledger)]
+    counted_behind = {s.ident for s in mine}
+    # Failures counted behind a loading start that Nomad no longer lists (or lists under a job
+    # since purged) still count; with no events left, their error is unknown, and the newest
+    # error Nomad still shows is kept.
+    remembered = [
+        Start(alloc_id, "", time_ns, ledger.job_version, True, True, "", 0, ledger.def_index + 1)
+        for time_ns, alloc_id in ledger.later
+        if (time_ns, alloc_id) not in counted_behind
+    ]
+    newest = max([newest, *(s.time_ns for s in remembered)])
+    ours = sorted([*mine, *remembered], key=lambda s: (s.time_ns, s.alloc_id, s.task))
+    if any(s.ident in healthy and not s.ended for s in ours):
+        # A replica serves: the model is not down, so nothing counts towards parking it, and
+        # every start Nomad has shown so far is moot. A slot failing beside it is a partial
+        # failure, shown as such (`failing_slots`), and Nomad's own budgets bound it.
+        # Those the ledger names too: Nomad may have forgotten them since.
+        named_times = [ledger.through[0] if ledger.through else 0, *(t for t, _ in ledger.later)]
+        baseline = max(ledger.after_ns, ours[-1].time_ns, *named_times)
+        kept = Ledger(
+            after_ns=baseline,
+            job_version=ledger.job_version,
+            job_created=ledger.job_created,
+            def_index=ledger.def_index,
+            def_after_ns=ledger.def_after_ns,
+        )
+        return FailureCount(0, None, kept, newest, serving=True)
     count = ledger.counted
     last: Start | None = None
     kept = replace(ledger, later=())
     later: list[StartId] = []
-    skip_through = ledger.through
+    decided = set(ledger.decided)
+    floor = ledger.decided_floor
     undecided = False
-    for s in sorted([*starts, *remembered], key=lambda s: (s.time_ns, s.alloc_id, s.task)):
-        if s.time_ns <= ledger.after_ns or s.job_version < ledger.job_version:
-            continue
+    skip_through = ledger.through
+    for s in (s for s in ours if s.time_ns > ledger.after_ns):
         if s.ident in healthy:
-            # Everything before a healthy start is moot, loading or not, counted or not; what
-            # came after it is counted afresh.
-            count, last, undecided, skip_through, later = 0, None, False, None, []
-            kept = replace(kept, after_ns=s.time_ns, through=s.ident, counted=0)
-        elif skip_through is not None and s.ident <= skip_through:
+            # Healthy and over since (a view built after the fact): everything before it is
+            # moot, loading or not, counted or not; what came after it is counted afresh.
+            count, last, undecided, skip_through, later, decided = 0, None, False, None, [], {s.ident}
+            kept = replace(kept, after_ns=s.time_ns, through=s.ident, counted=0, decided_floor=None)
             continue
-        elif not s.ended:
+        # Counted already, unless Nomad reported it only now: a start behind `through` that the
+        # ledger does not name as decided.
+        if (
+            skip_through is not None
+            and s.ident <= skip_through
+            and (s.ident in decided or (floor is not None and s.ident <= floor))
+        ):
+            continue
+        if not s.ended:
             undecided = True
         elif s.failed:
             count += 1
             if s.ident in shown:
                 last = s
             if not undecided:
-                kept = replace(kept, through=s.ident, counted=count)
+                kept = replace(kept, through=_newer(kept.through, s.ident), counted=count)
+                decided.add(s.ident)
             elif len(later) < remember:
                 later.append(s.ident)
         elif not undecided:
-            kept = replace(kept, through=s.ident)
-    return FailureCount(count, last, replace(kept, later=tuple(later)), newest)
+            kept = replace(kept, through=_newer(kept.through, s.ident))
+            decided.add(s.ident)
+    through = kept.through
+    named = sorted(d for d in decided if through is not None and d <= through)
+    if len(named) > remember:
+        # Bounded: the ones let go of, and everything before them, are taken as decided.
+        kept = replace(kept, decided_floor=_newer(kept.decided_floor, named[-remember - 1]))
+        named = named[-remember:]
+    return FailureCount(count, last, replace(kept, later=tuple(later), decided=tuple(named)), newest)
+
+
+def _of_definition(s: Start, ledger: Ledger) -> bool:
+    """A start of the current definition (`Ledger`), before the baseline or after it."""
+    if s.job_version < ledger.job_version:
+        return False
+    if 0 < s.created_index < ledger.job_created:
+        # An allocation of a job since purged: its versions are not comparable with this
+        # job's, and what it counted is in the ledger.
+        return False
+    return s.created_index > ledger.def_index or s.time_ns > ledger.def_after_ns
+
+
+def _newer(a: StartId | None, b: StartId) -> StartId:
+    return b if a is None or b > a else a
 
 
 def event_text(ev: Mapping[str, Any]) -> str:

@@ -19,7 +19,15 @@ from nomad_driver.render import SHARD_GROUP
 from nomad_driver.spec import Model
 from nomad_driver.state import CountedStart, ModelState
 from nomad_driver.watcher.given_up import gave_up_reason, spent_slots
-from nomad_driver.watcher.parking import FailureCount, Ledger, StartId, count_start_failures, count_starts
+from nomad_driver.watcher.parking import (
+    FailureCount,
+    Ledger,
+    StartId,
+    count_start_failures,
+    count_starts,
+    starts_of,
+)
+from nomad_driver.watcher.partial import degraded_text, failing_slots
 from nomad_driver.watcher.replica_starts import ReplicaStarts, replica_starts, stuck_start
 from nomad_driver.watcher.replica_steps import ReplicaStep, replica_step
 from nomad_driver.watcher.scaling import DEFAULT_STEP_INTERVAL_S, Desired, ScaleInputs, decide
@@ -246,7 +254,24 @@ def job_conflict(job: Mapping[str, Any] | None, model: Model) -> str:
 def ledger_of(state: ModelState) -> Ledger:
     through = (state.counted_through_ns, state.counted_through_alloc) if state.counted_through_alloc else None
     later = tuple((c.started_ns, c.alloc) for c in state.counted_later)
-    return Ledger(state.failures_after_ns, through, state.counted_failures, state.count_job_version, later)
+    decided = tuple((c.started_ns, c.alloc) for c in state.counted_decided)
+    floor = state.counted_decided_floor
+    decided_floor = (floor.started_ns, floor.alloc) if floor is not None else None
+    if through is not None and not decided:
+        # Stored before starts were named as decided: everything up to `through` was.
+        decided_floor = through
+    return Ledger(
+        state.failures_after_ns,
+        through,
+        state.counted_failures,
+        state.count_job_version,
+        later,
+        decided,
+        decided_floor,
+        state.count_job_create_index,
+        state.count_def_index,
+        state.count_def_after_ns,
+    )
 
 
 def with_ledger(state: ModelState, ledger: Ledger) -> ModelState:
@@ -259,6 +284,14 @@ def with_ledger(state: ModelState, ledger: Ledger) -> ModelState:
             "counted_failures": ledger.counted,
             "count_job_version": ledger.job_version,
             "counted_later": [CountedStart(alloc=alloc, started_ns=ns) for ns, alloc in ledger.later],
+            "counted_decided": [CountedStart(alloc=alloc, started_ns=ns) for ns, alloc in ledger.decided],
+            "counted_decided_floor": (
+                CountedStart(alloc=ledger.decided_floor[1], started_ns=ledger.decided_floor[0])
+                if ledger.decided_floor
+                else None
+            ),
+            "count_def_index": ledger.def_index,
+            "count_def_after_ns": ledger.def_after_ns,
         }
     )
 
@@ -269,17 +302,35 @@ def cleared(state: ModelState, baseline_ns: int) -> ModelState:
     state = state.model_copy(
         update={"parked": False, "consecutive_failures": 0, "last_error": "", "parked_def_hash": ""}
     )
-    return with_ledger(state, Ledger(after_ns=baseline_ns, job_version=state.count_job_version))
+    return with_ledger(
+        state,
+        Ledger(
+            after_ns=baseline_ns,
+            job_version=state.count_job_version,
+            job_created=state.count_job_create_index,
+            def_index=state.count_def_index,
+            def_after_ns=state.count_def_after_ns,
+        ),
+    )
 
 
-def newest_start_ns(view: ModelView) -> int:
-    return count_start_failures(view.allocs, frozenset()).newest_start_ns
+def newest_start_ns(view: ModelView, *, created_by: int | None = None) -> int:
+    """The newest start Nomad shows; with `created_by`, of allocations created at or before
+    that Nomad index only."""
+    starts = count_start_failures(
+        (a for a in view.allocs if created_by is None or as_int(a.get("CreateIndex")) <= created_by),
+        frozenset(),
+    )
+    return starts.newest_start_ns
 
 
 def retried(view: ModelView) -> ModelState:
     """The state `llmgw ctl retry` writes."""
     state = view.state or ModelState()
-    return cleared(state, max(newest_start_ns(view), state.failures_after_ns))
+    # Every start Nomad shows or the ledger names, including those Nomad has forgotten since.
+    named = [state.failures_after_ns, state.counted_through_ns, *(c.started_ns for c in state.counted_later)]
+    newest = max(newest_start_ns(view), *named)
+    return cleared(state, newest).model_copy(update={"retried_through_ns": newest})
 
 
 def counted_definition(view: ModelView, state: ModelState) -> ModelState:
@@ -294,27 +345,50 @@ def counted_definition(view: ModelView, state: ModelState) -> ModelState:
         # definition's, or that of the definition it was parked under.
         held = state.parked_def_hash if state.parked and state.parked_def_hash else m.def_hash
         state = state.model_copy(update={"count_def_hash": held})
+        if held == m.def_hash and (view.state is None or job_def_hash(view.job) != m.def_hash):
+            # Nothing counted yet, or no job in Nomad runs it yet: its count begins with the
+            # job that runs it, as for a definition that changed.
+            state = state.model_copy(update={"count_job_version": -1})
     if state.count_def_hash != m.def_hash:
-        state = cleared(state, max(newest_start_ns(view), state.failures_after_ns))
+        # The old definition's starts never count (their job versions are older); the new
+        # one's count from the version that brought it, even those that failed before any
+        # watcher saw the change (`llmgw apply` registers the job itself).
+        state = cleared(state, state.failures_after_ns)
         state = state.model_copy(update={"count_def_hash": m.def_hash, "count_job_version": -1})
     if state.count_job_version < 0 and job_def_hash(view.job) == m.def_hash:
-        state = state.model_copy(
-            update={
-                "count_job_version": job_version(view.job),
-                "count_job_create_index": job_create_index(view.job),
-            }
-        )
+        sighting = _definition_sighting(view)
+        if view.state is None:
+            # Nothing stored: no watcher has counted this model, and the job's allocations of
+            # this version on all count (the definition did not change under them).
+            sighting.update(count_def_index=0, count_def_after_ns=0)
+        state = state.model_copy(update={"count_job_version": job_version(view.job), **sighting})
     elif job_def_hash(view.job) == m.def_hash and job_recreated(view.job, state):
         # Purged and registered again (`nomad job stop -purge`, Nomad's job GC, a rebuilt
         # cluster): the new job's versions start over at 0, and every one of them counts. Kept
         # at the old version, the ledger would drop each new start, and a crash-looping model
         # would never park.
+        # The purged job's allocations ran the same definition: counted as before (the ledger
+        # names what it counted), and the new job's are created later than any of them.
         state = state.model_copy(
             update={"count_job_version": 0, "count_job_create_index": job_create_index(view.job)}
         )
     elif not state.count_job_create_index and job_create_index(view.job):
         state = state.model_copy(update={"count_job_create_index": job_create_index(view.job)})
     return state
+
+
+def _definition_sighting(view: ModelView) -> dict[str, int]:
+    """Where the definition's count begins in the job the watcher sees first with it: the
+    allocations Nomad created for it count from their first start; those created before (the
+    old definition's, updated in place) from their next."""
+    index = as_int(view.job.get("JobModifyIndex")) if isinstance(view.job, Mapping) else 0
+    return {
+        "count_job_create_index": job_create_index(view.job),
+        "count_def_index": index,
+        # Without Nomad's index (a view built by hand) nothing tells the two apart: what Nomad
+        # shows now is forgiven.
+        "count_def_after_ns": newest_start_ns(view, created_by=index or None),
+    }
 
 
 def job_create_index(job: Mapping[str, Any] | None) -> int:
@@ -493,13 +567,26 @@ def reconcile(view: ModelView, max_start_failures: int = DEFAULT_MAX_START_FAILU
     )
 
     # Nomad's budgets ran out before the count reached the threshold: ask again, never leave it
-    # silently down (given_up.py).
+    # silently down (given_up.py). Beside a serving replica, only after an operator's retry
+    # (partial.py): the slot's failures are then a bad node's, and Nomad's budgets bound them.
     spent: tuple[str, ...] = ()
     if not state.parked and not park_now and not multinode and current and desired > 0:
         spent = spent_slots(view.job, view.allocs)
-    state = state.model_copy(update={"nomad_gave_up": gave_up_reason(spent)})
-    if spent:
-        actions.append(ForceReschedule(m.name, m.job_id, spent))
+    slots = []
+    if failures.serving and not state.parked:
+        starts = replica.starts if replica is not None else [s for a in view.allocs for s in starts_of(a)]
+        slots = failing_slots(view.allocs, starts, view.healthy_starts, state.count_job_version)
+    forced = spent
+    if failures.serving:
+        forced = tuple(a for a in spent if _newest_start_of(view, a) <= state.retried_through_ns)
+    state = state.model_copy(
+        update={
+            "nomad_gave_up": gave_up_reason(forced),
+            "degraded": degraded_text(m.name, slots, [a for a in spent if a not in forced]),
+        }
+    )
+    if forced:
+        actions.append(ForceReschedule(m.name, m.job_id, forced))
 
     if park_now and view.job is not None:
         # Park writes the state itself, after reading the engine's stderr for the real error.
@@ -537,6 +624,11 @@ def reconcile(view: ModelView, max_start_failures: int = DEFAULT_MAX_START_FAILU
         desired_detail=wanted.detail,
         recommendation=wanted.recommendation,
     )
+
+
+def _newest_start_of(view: ModelView, alloc_id: str) -> int:
+    allocs = [a for a in view.allocs if a.get("ID") == alloc_id]
+    return count_start_failures(allocs, frozenset()).newest_start_ns
 
 
 def _scale_message(m: Model, state: ModelState, count: int, desired: int, wanted: Desired) -> str:
@@ -658,6 +750,9 @@ def _health(
         return "critical", f"unplaceable: {state.placement_reason}"
     if state.nomad_gave_up:
         return "critical", state.nomad_gave_up
+    if state.degraded:
+        # Replicas serve: a warning, not an outage (partial.py).
+        return "warning", f"degraded: {ready} of {desired} replicas ready; {state.degraded}"
     if state.short:
         # The minimum serves: a warning, not an outage.
         return (
