@@ -555,7 +555,17 @@ def _tcp_check(name: str, port: str) -> dict[str, Any]:
 
 
 def _ordered_task(task: dict[str, Any]) -> dict[str, Any]:
-    order = ("Name", "Driver", "Config", "Env", "Artifacts", "Templates", "Consul", "Resources", "KillTimeout")
+    order = (
+        "Name",
+        "Driver",
+        "Config",
+        "Env",
+        "Artifacts",
+        "Templates",
+        "Consul",
+        "Resources",
+        "KillTimeout",
+    )
     return {k: task[k] for k in order if k in task}
 
 

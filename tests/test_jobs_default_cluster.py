@@ -89,7 +89,9 @@ def test_an_undeclared_variable_is_still_refused() -> None:
     ],
     ids=["router", "watcher"],
 )
-def test_serving_tls_has_job_variables_and_the_check_speaks_https(path: Path, cert_var: str, env_var: str) -> None:
+def test_serving_tls_has_job_variables_and_the_check_speaks_https(
+    path: Path, cert_var: str, env_var: str
+) -> None:
     key_var, key_env = cert_var.replace("cert", "key"), env_var.replace("CERT", "KEY")
     plain = parse_jobspec(path.read_text())["TaskGroups"][0]
     assert plain["Services"][0]["Checks"][0].get("Protocol", "http") in ("", "http")

@@ -74,7 +74,9 @@ class Evaluator:
         condition = expr[:question].strip()
         match = re.fullmatch(r"(.+?)\s*(==|!=)\s*(.+)", condition, re.S)
         if match is None:
-            raise JobspecError(f"{where}: condition {condition!r} is outside what the stand-in's parser supports")
+            raise JobspecError(
+                f"{where}: condition {condition!r} is outside what the stand-in's parser supports"
+            )
         left = self.expression(match.group(1), where)
         right = self.expression(match.group(3), where)
         holds = (left == right) == (match.group(2) == "==")
