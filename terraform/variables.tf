@@ -146,7 +146,7 @@ variable "node_nomad_addr" {
 }
 
 variable "models_namespace" {
-  description = "Nomad namespace of the model jobs: the watcher registers and the routers scale them there, and their Nomad policies grant only there. Create it first (`nomad namespace apply`)."
+  description = "Nomad namespace of the model jobs: the watcher registers and scales them there (the routers ask it through Consul), and its Nomad policy grants only there. Create it first (`nomad namespace apply`)."
   type        = string
   default     = "default"
 }
