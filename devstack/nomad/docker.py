@@ -5,8 +5,8 @@ drivers/docker/config.go, the `volumes` block's literal default `{ enabled = fal
 refuses any bind mount of a host path outside the allocation's directory
 (drivers/docker/driver.go: `containerBinds` for `config.volumes`, `toDockerMount` for `mount`
 blocks), failing the task with "volumes are not enabled; cannot mount host path: ...". A client
-opts in with `plugin "docker" { config { volumes { enabled = true } } }`, per node; the stand-in
-reads the same from its nodes file (devstack/nomad/nodes.py, `plugins.docker.volumes.enabled`).
+opts in with `plugin "docker" { config { volumes { enabled = true } } }`, per node. The stand-in
+runs no Docker tasks; the tests apply this rule to llmgw's jobs as the client would at start.
 """
 
 from __future__ import annotations
