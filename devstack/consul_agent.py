@@ -48,8 +48,11 @@ class ConsulAgent:
         node_name: str = "llmgw-dev",
         die_with_parent: bool = False,
         start_timeout: float = 30.0,
+        extra_args: tuple[str, ...] = (),
     ) -> None:
         self.host = host
+        # More agent flags, e.g. `-hcl` TLS settings for a test that needs HTTPS.
+        self.extra_args = extra_args
         self.binary = binary or find_consul_binary()
         self.node_name = node_name
         self.die_with_parent = die_with_parent
@@ -98,6 +101,7 @@ class ConsulAgent:
             str(self.serf_wan_port),
             "-server-port",
             str(self.server_port),
+            *self.extra_args,
         ]
 
     def start(self, attempts: int = 3) -> ConsulAgent:

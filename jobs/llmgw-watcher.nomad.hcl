@@ -26,18 +26,6 @@ variable "node_pool" {
   default     = "default"
 }
 
-variable "nomad_addr" {
-  type        = string
-  description = "Nomad HTTP API as seen from the task (https://... where it requires TLS); empty: the Nomad agent on the task's node over http."
-  default     = ""
-}
-
-variable "consul_addr" {
-  type        = string
-  description = "Consul HTTP API as seen from the task (https://... where it requires TLS); empty: the Consul agent on the task's node over http."
-  default     = ""
-}
-
 variable "max_start_failures" {
   type        = number
   description = "Consecutive start failures after which a model is parked."
@@ -50,45 +38,85 @@ variable "models_namespace" {
   default     = "default"
 }
 
+variable "admin_tls_cert" {
+  type        = string
+  description = "File in tls_dir: certificate for the admin API to serve HTTPS with (LLMGW_ADMIN_TLS_CERT); empty: plain HTTP."
+  default     = ""
+}
+
+variable "admin_tls_key" {
+  type        = string
+  description = "File in tls_dir: private key of admin_tls_cert (LLMGW_ADMIN_TLS_KEY)."
+  default     = ""
+}
+
+# --- Where Nomad and Consul are, and TLS to them. The same set in all three jobs, so that one
+# variables file (docs/operating.md, section 9) serves each: `nomad job run` refuses a variable a
+# job does not declare. The certificate variables are file names inside tls_dir.
+
+variable "nomad_addr" {
+  type        = string
+  description = "Nomad HTTP API as seen from the task (https://... where it requires TLS); empty: the agent on the task's node, http://127.0.0.1:4646 (the task is on the host's network)."
+  default     = ""
+}
+
+variable "consul_addr" {
+  type        = string
+  description = "Consul HTTP API as seen from the task (https://... where it requires TLS); empty: the agent on the task's node, http://127.0.0.1:8500, where a default Consul agent listens."
+  default     = ""
+}
+
+variable "nomad_tls_server_name" {
+  type        = string
+  description = "NOMAD_TLS_SERVER_NAME: the name to verify Nomad's certificate against when nomad_addr is a name the certificate lacks (e.g. server.global.nomad); empty: the address's host."
+  default     = ""
+}
+
+variable "consul_tls_server_name" {
+  type        = string
+  description = "CONSUL_TLS_SERVER_NAME: the name to verify Consul's certificate against when consul_addr is a name the certificate lacks (e.g. server.dc1.consul); empty: the address's host."
+  default     = ""
+}
+
 variable "tls_dir" {
   type        = string
-  description = "Directory on every node holding the CA and client certificates below, mounted read-only at the same path (the default, the system's CA directory, holds none of llmgw's)."
-  default     = "/etc/ssl/certs"
+  description = "Directory on every node holding the certificate files named below, mounted read-only at /etc/llmgw/tls in the task; empty (the default): nothing is mounted."
+  default     = ""
 }
 
 variable "nomad_cacert" {
   type        = string
-  description = "CA certificate that signed Nomad's HTTPS certificate (a path under tls_dir); empty: the system's CAs."
+  description = "File in tls_dir: the CA that signed Nomad's HTTPS certificate (NOMAD_CACERT); empty: the image's CAs. Unused by the router, which never calls Nomad."
   default     = ""
 }
 
 variable "nomad_client_cert" {
   type        = string
-  description = "Client certificate for Nomad's mutual TLS (a path under tls_dir); empty: none."
+  description = "File in tls_dir: client certificate for Nomad's mutual TLS (NOMAD_CLIENT_CERT); empty: none."
   default     = ""
 }
 
 variable "nomad_client_key" {
   type        = string
-  description = "Private key of nomad_client_cert (a path under tls_dir)."
+  description = "File in tls_dir: private key of nomad_client_cert (NOMAD_CLIENT_KEY)."
   default     = ""
 }
 
 variable "consul_cacert" {
   type        = string
-  description = "CA certificate that signed Consul's HTTPS certificate (a path under tls_dir); empty: the system's CAs."
+  description = "File in tls_dir: the CA that signed Consul's HTTPS certificate (CONSUL_CACERT); empty: the image's CAs. Unused by the node agent, which never calls Consul."
   default     = ""
 }
 
 variable "consul_client_cert" {
   type        = string
-  description = "Client certificate for Consul's mutual TLS (a path under tls_dir); empty: none."
+  description = "File in tls_dir: client certificate for Consul's mutual TLS (CONSUL_CLIENT_CERT); empty: none."
   default     = ""
 }
 
 variable "consul_client_key" {
   type        = string
-  description = "Private key of consul_client_cert (a path under tls_dir)."
+  description = "File in tls_dir: private key of consul_client_cert (CONSUL_CLIENT_KEY)."
   default     = ""
 }
 
@@ -111,9 +139,7 @@ job "llmgw-watcher" {
     }
 
     network {
-      port "admin" {
-        to = 4700
-      }
+      port "admin" {}
     }
 
     service {
@@ -124,9 +150,13 @@ job "llmgw-watcher" {
 
       check {
         type     = "http"
+        protocol = var.admin_tls_cert == "" ? "http" : "https"
         path     = "/healthz"
         interval = "10s"
         timeout  = "2s"
+        # Consul runs the check against the task's IP, which no serving certificate names; it
+        # asks whether the API answers, not who it is.
+        tls_skip_verify = true
       }
     }
 
@@ -142,10 +172,15 @@ job "llmgw-watcher" {
 
       config {
         image = "${var.image}:${var.llmgw_version}"
-        args  = ["watcher", "--listen", "0.0.0.0:4700", "--max-start-failures", "${var.max_start_failures}"]
+        args  = ["watcher", "--listen", "0.0.0.0:${NOMAD_PORT_admin}", "--max-start-failures", "${var.max_start_failures}"]
         ports = ["admin"]
-        # The CA and client certificates for Nomad and Consul, when their APIs require TLS.
-        volumes = ["${var.tls_dir}:${var.tls_dir}:ro"]
+        # The host's network: a default Consul agent listens on 127.0.0.1 only, which a task on
+        # Docker's bridge cannot reach.
+        network_mode = "host"
+        # The certificates, only when a directory is given, and where nothing of the image is:
+        # Docker's default plugin config refuses host paths, and a mount over /etc/ssl/certs
+        # would hide the image's CA bundle.
+        volumes = var.tls_dir == "" ? [] : ["${var.tls_dir}:/etc/llmgw/tls:ro"]
       }
 
       # Tokens never appear in the jobspec: they live in a Nomad Variable that only this job's
@@ -164,18 +199,22 @@ job "llmgw-watcher" {
       }
 
       env {
-        NOMAD_ADDR       = coalesce(var.nomad_addr, "http://${attr.unique.network.ip-address}:4646")
-        CONSUL_HTTP_ADDR = coalesce(var.consul_addr, "${attr.unique.network.ip-address}:8500")
-        # The leader's address as others reach it (the host's port, not the container's
-        # 0.0.0.0:4700), so a follower can send `llmgw ctl retry` on to it.
+        NOMAD_ADDR             = coalesce(var.nomad_addr, "http://127.0.0.1:4646")
+        CONSUL_HTTP_ADDR       = coalesce(var.consul_addr, "http://127.0.0.1:8500")
+        NOMAD_TLS_SERVER_NAME  = var.nomad_tls_server_name
+        CONSUL_TLS_SERVER_NAME = var.consul_tls_server_name
+        # The leader's address as others reach it, so a follower can send `llmgw ctl retry` on
+        # to it.
         LLMGW_ADMIN_ADVERTISE = "${NOMAD_ADDR_admin}"
-        NOMAD_NAMESPACE   = var.models_namespace
-        NOMAD_CACERT      = var.nomad_cacert
-        NOMAD_CLIENT_CERT = var.nomad_client_cert
-        NOMAD_CLIENT_KEY  = var.nomad_client_key
-        CONSUL_CACERT      = var.consul_cacert
-        CONSUL_CLIENT_CERT = var.consul_client_cert
-        CONSUL_CLIENT_KEY  = var.consul_client_key
+        NOMAD_NAMESPACE       = var.models_namespace
+        NOMAD_CACERT         = var.nomad_cacert == "" ? "" : "/etc/llmgw/tls/${var.nomad_cacert}"
+        NOMAD_CLIENT_CERT    = var.nomad_client_cert == "" ? "" : "/etc/llmgw/tls/${var.nomad_client_cert}"
+        NOMAD_CLIENT_KEY     = var.nomad_client_key == "" ? "" : "/etc/llmgw/tls/${var.nomad_client_key}"
+        CONSUL_CACERT        = var.consul_cacert == "" ? "" : "/etc/llmgw/tls/${var.consul_cacert}"
+        CONSUL_CLIENT_CERT   = var.consul_client_cert == "" ? "" : "/etc/llmgw/tls/${var.consul_client_cert}"
+        CONSUL_CLIENT_KEY    = var.consul_client_key == "" ? "" : "/etc/llmgw/tls/${var.consul_client_key}"
+        LLMGW_ADMIN_TLS_CERT = var.admin_tls_cert == "" ? "" : "/etc/llmgw/tls/${var.admin_tls_cert}"
+        LLMGW_ADMIN_TLS_KEY  = var.admin_tls_key == "" ? "" : "/etc/llmgw/tls/${var.admin_tls_key}"
       }
 
       resources {

@@ -31,7 +31,7 @@ from typing import Any
 import aiohttp
 
 from nomad_driver.blocking import ServiceError, next_index
-from nomad_driver.endpoint import client_ssl_context, normalise_addr
+from nomad_driver.endpoint import TLSConfigError, TLSSettings, consul_tls, normalise_addr, ssl_context
 from nomad_driver.safeload import LoadError, json_loads
 
 # A health or KV answer for a large fleet is tens of MiB; this only stops a runaway one.
@@ -80,10 +80,11 @@ def _addr_from_env() -> str:
     )
 
 
-def _ssl_from_env(addr: str) -> ssl.SSLContext | None:
-    cert, key = os.environ.get("CONSUL_CLIENT_CERT", ""), os.environ.get("CONSUL_CLIENT_KEY", "")
-    pair = (cert, key) if cert and key else ("", "")
-    return client_ssl_context(addr, os.environ.get("CONSUL_CACERT", ""), *pair)
+def _ssl_context_for(addr: str, tls: TLSSettings) -> ssl.SSLContext | None:
+    try:
+        return ssl_context(addr, tls)
+    except TLSConfigError as exc:
+        raise TLSConfigError(f"CONSUL_CLIENT_CERT and CONSUL_CLIENT_KEY: {exc}") from None
 
 
 def _blocking(index: int, wait_s: float | None) -> dict[str, Any]:
@@ -138,11 +139,16 @@ class Consul:
         timeout: float = 10.0,
         ssl_context: ssl.SSLContext | None = None,
         max_connections: int = 64,
+        server_name: str | None = None,
     ) -> None:
         self.addr = normalise_addr(addr) if addr else _addr_from_env()
+        tls = consul_tls()
+        # CONSUL_TLS_SERVER_NAME: the name Consul's certificate is verified against when the
+        # address is not one of its names (a node IP, consul.service.consul).
+        self.server_name = (server_name if server_name is not None else tls.server_name) or None
         token = token if token is not None else os.environ.get("CONSUL_HTTP_TOKEN", "")
         self._headers = {"X-Consul-Token": token} if token else {}
-        self._ssl = ssl_context if ssl_context is not None else _ssl_from_env(self.addr)
+        self._ssl = ssl_context if ssl_context is not None else _ssl_context_for(self.addr, tls)
         self.timeout = timeout
         # Blocking reads hold a connection for their whole wait; a pool of their own keeps them
         # from starving the short writes the leader must make in time.
@@ -212,6 +218,7 @@ class Consul:
                 data=data,
                 headers=headers,
                 allow_redirects=False,
+                server_hostname=self.server_name if self._ssl is not None else None,
                 timeout=aiohttp.ClientTimeout(total=total, sock_connect=min(CONNECT_TIMEOUT_S, total)),
             ) as resp:
                 answer = Answer(resp.status, await resp.read(), resp.headers.get("X-Consul-Index"))

@@ -22,7 +22,8 @@ _NS_UNITS = (("h", 3_600_000_000_000), ("m", 60_000_000_000), ("s", 1_000_000_00
 class Field:
     hcl: str
     # attr: `name = value`; duration: nanoseconds as "30s"; map: `name { k = v }`;
-    # block: one nested object; blocks: one nested block per list item; labeled: one block per
+    # block: one nested object; presence: the same, written even when empty (a block whose
+    # being there is the setting, like a task's `consul {}`); blocks: one nested block per list item; labeled: one block per
     # item with the item's `label_key` as the block label; ports: Nomad's network ports.
     kind: str = "attr"
     schema: Schema | None = None
@@ -87,6 +88,9 @@ TEMPLATE = Schema(
         "Splay": Field("splay", "duration"),
     }
 )
+# The task's Consul block, empty: it is what gets the task a Consul workload identity, so that
+# its template's lookups carry a token on a Consul with ACLs.
+CONSUL = Schema({"Namespace": Field("namespace"), "Cluster": Field("cluster")})
 TASK = Schema(
     {
         "Driver": Field("driver"),
@@ -96,6 +100,7 @@ TASK = Schema(
         "Constraints": Field("constraint", "blocks", CONSTRAINT),
         "Artifacts": Field("artifact", "blocks", ARTIFACT),
         "Templates": Field("template", "blocks", TEMPLATE),
+        "Consul": Field("consul", "presence", CONSUL),
         "Resources": Field("resources", "block", RESOURCES),
         "KillTimeout": Field("kill_timeout", "duration"),
     }
@@ -239,7 +244,7 @@ def _object(
         raise ValueError(f"{where}: no HCL mapping for {', '.join(unknown)}")
     # Attributes first, then blocks, as Nomad's own examples read.
     ordered = sorted(
-        (k for k in schema.fields if k in obj and not _empty(obj[k])),
+        (k for k in schema.fields if k in obj and _present(schema.fields[k], obj[k])),
         key=lambda k: schema.fields[k].kind not in ("attr", "duration"),
     )
     for key in ordered:
@@ -248,6 +253,10 @@ def _object(
         path = f"{where}.{key}"
         emit = _EMITTERS[spec.kind]
         emit(w, depth, spec, value, path)
+
+
+def _present(spec: Field, value: Any) -> bool:
+    return value is not None if spec.kind == "presence" else not _empty(value)
 
 
 def _value(value: Any, depth: int) -> str:
@@ -323,6 +332,7 @@ _EMITTERS: dict[str, Callable[[_Writer, int, Field, Any, str], None]] = {
     "duration": _emit_duration,
     "map": _emit_map,
     "block": _emit_block,
+    "presence": _emit_block,
     "blocks": _emit_blocks,
     "labeled": _emit_labeled,
     "ports": _emit_ports,

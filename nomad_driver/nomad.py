@@ -23,10 +23,11 @@ from typing import Any
 
 import nomad as pynomad
 import requests
+import requests.adapters
 from nomad.api import exceptions as nomad_exc
 
 from nomad_driver.blocking import ServiceError, next_index
-from nomad_driver.endpoint import normalise_addr
+from nomad_driver.endpoint import TLSConfigError, nomad_tls, normalise_addr
 
 JOB_PREFIX = "llmgw-"
 
@@ -44,12 +45,38 @@ class NomadUnavailable(NomadError):
 
 
 def tls_from_env(address: str) -> tuple[bool | str, tuple[str, ...]]:
-    """TLS settings the way Nomad's own CLI reads them: NOMAD_CACERT to verify the server,
-    NOMAD_CLIENT_CERT and NOMAD_CLIENT_KEY for mutual TLS. Returns (verify, (cert, key) or ())."""
-    cacert = os.environ.get("NOMAD_CACERT")
-    verify: bool | str = cacert if cacert else address.startswith("https://")
-    cert, key = os.environ.get("NOMAD_CLIENT_CERT"), os.environ.get("NOMAD_CLIENT_KEY")
-    return verify, ((cert, key) if cert and key else ())
+    """TLS settings the way Nomad's own CLI reads them (nomad_driver/endpoint.py): what to
+    verify the server with (a CA file or directory, True for the system's CAs, False with
+    NOMAD_SKIP_VERIFY) and the client pair for mutual TLS. Returns (verify, (cert, key) or ())."""
+    tls = nomad_tls()
+    verify: bool | str = tls.cacert or tls.capath or address.startswith("https://")
+    if tls.skip_verify:
+        verify = False
+    if bool(tls.client_cert) != bool(tls.client_key):
+        raise TLSConfigError("NOMAD_CLIENT_CERT and NOMAD_CLIENT_KEY go together: set both, or neither")
+    return verify, ((tls.client_cert, tls.client_key) if tls.client_cert else ())
+
+
+class _ServerNameAdapter(requests.adapters.HTTPAdapter):
+    """Connections that send `server_name` as SNI and verify the certificate against it
+    (NOMAD_TLS_SERVER_NAME): how the CLI reaches a server by an address its certificate lacks."""
+
+    def __init__(self, server_name: str) -> None:
+        self._server_name = server_name
+        super().__init__()
+
+    def init_poolmanager(self, *args: Any, **kwargs: Any) -> None:
+        kwargs["server_hostname"] = self._server_name
+        super().init_poolmanager(*args, **kwargs)
+
+
+def nomad_session() -> requests.Session:
+    """A requests session for Nomad, with NOMAD_TLS_SERVER_NAME applied."""
+    session = requests.Session()
+    server_name = nomad_tls().server_name
+    if server_name:
+        session.mount("https://", _ServerNameAdapter(server_name))
+    return session
 
 
 class Nomad:
@@ -78,6 +105,7 @@ class Nomad:
                 timeout=self.timeout,
                 verify=self.verify,
                 cert=self.cert,
+                session=nomad_session(),
             )
             self._local.client = c
         return c

@@ -9,28 +9,21 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import posixpath
 import re
-from dataclasses import dataclass
 from typing import Any
-from urllib.parse import parse_qsl, urlencode, urlsplit
 
 from nomad_driver import gpu_check
 from nomad_driver.hcl import job_to_hcl
 from nomad_driver.node_meta import ENGINES_DIR_KEY, engine_meta_key, interpolated
 from nomad_driver.placement import fabric_constraint, gpu_count_constraint
 from nomad_driver.spec import Model, Profile
+from nomad_driver.weights import Weights, weights_for
 
 GROUP_NAME = "engine"
 TASK_NAME = "engine"
 SERVICE_NAME = "llmgw-engine"
 PORT_LABEL = "http"
 GPU_DEVICE = "nvidia/gpu"
-
-# Where the artifact puts the weights, relative to the allocation's task directory; inside the
-# task that directory is ${NOMAD_TASK_DIR} (`local/`), for raw_exec and docker alike.
-WEIGHTS_DEST = "local/model"
-WEIGHTS_DIR = "${NOMAD_TASK_DIR}/model"
 
 SECOND = 1_000_000_000
 MINUTE = 60 * SECOND
@@ -51,47 +44,6 @@ READINESS_PATHS = {
 
 def readiness_path(engine: str) -> str:
     return READINESS_PATHS[engine]
-
-
-@dataclass(frozen=True)
-class Weights:
-    """How the engine gets its weights: an artifact Nomad downloads into the task directory, or,
-    for a Hugging Face repository given to vLLM, a name the engine resolves itself."""
-
-    model_arg: str
-    artifact: dict[str, Any] | None
-
-
-def weights_for(source: str) -> Weights:
-    parts = urlsplit(source)
-    is_dir = source.endswith("/")
-    name = posixpath.basename(parts.path.rstrip("/")) or "model"
-    if parts.scheme == "hf":
-        segments = [s for s in (parts.netloc + parts.path).split("/") if s]
-        if len(segments) == 2:
-            # vLLM downloads a whole repository itself; go-getter cannot list a Hub repository.
-            return Weights(model_arg="/".join(segments), artifact=None)
-        org, repo, *path = segments
-        revision = "main"
-        if "@" in repo:
-            repo, revision = repo.split("@", 1)
-        getter = f"https://huggingface.co/{org}/{repo}/resolve/{revision}/{'/'.join(path)}"
-    elif parts.scheme == "s3":
-        query = dict(parse_qsl(parts.query))
-        region = query.pop("region", "")
-        # go-getter takes the region from a three-part path-style host (s3-REGION.amazonaws.com).
-        host = f"s3-{region}.amazonaws.com" if region else "s3.amazonaws.com"
-        getter = f"s3::https://{host}/{parts.netloc}{parts.path}"
-        if query:
-            getter += "?" + urlencode(query)
-    else:
-        getter = source
-    artifact = {
-        "GetterSource": getter,
-        "GetterMode": "dir" if is_dir else "file",
-        "RelativeDest": f"{WEIGHTS_DEST}/{name}",
-    }
-    return Weights(model_arg=f"{WEIGHTS_DIR}/{name}", artifact=artifact)
 
 
 def _engine_task_config(model: Model, weights: Weights) -> tuple[str, dict[str, Any]]:
@@ -430,6 +382,9 @@ def _replica_engine(model: Model, job_id: str, weights: Weights) -> tuple[dict[s
             "Driver": "raw_exec",
             "Config": {"command": "/bin/sh", "args": wait_args},
             "Templates": [_rpc_servers_template(job_id)],
+            # Without it the task has no Consul identity, and on a Consul with ACLs its lookup
+            # of the shards is answered empty: the leader would wait for ever.
+            "Consul": {},
         }
         shard_command = f"{binary}/ggml-rpc-server"
         shard_args = ["--host", "${NOMAD_IP_rpc}", "--port", "${NOMAD_PORT_rpc}", *devices]
@@ -478,6 +433,7 @@ def _replica_engine(model: Model, job_id: str, weights: Weights) -> tuple[dict[s
             "shm_size": VLLM_SHM_BYTES,
         },
         "Templates": [_ray_head_lookup(job_id)],
+        "Consul": {},  # the head lookup's Consul identity, as the llama.cpp leader's
     }
     return leader, shard
 
@@ -599,7 +555,17 @@ def _tcp_check(name: str, port: str) -> dict[str, Any]:
 
 
 def _ordered_task(task: dict[str, Any]) -> dict[str, Any]:
-    order = ("Name", "Driver", "Config", "Env", "Artifacts", "Templates", "Resources", "KillTimeout")
+    order = (
+        "Name",
+        "Driver",
+        "Config",
+        "Env",
+        "Artifacts",
+        "Templates",
+        "Consul",
+        "Resources",
+        "KillTimeout",
+    )
     return {k: task[k] for k in order if k in task}
 
 

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from nomad_driver.endpoint import client_ssl_context, normalise_addr
+from nomad_driver.endpoint import client_ssl_context, consul_tls, normalise_addr
 
 DEFAULT_LISTEN = "127.0.0.1:8080"
 DEFAULT_CONSUL = "http://127.0.0.1:8500"
@@ -82,13 +82,18 @@ class ConsulSettings:
     cacert: str = ""
     client_cert: str = ""
     client_key: str = ""
+    # CONSUL_HTTP_SSL_VERIFY=false, as the consul CLI reads it (nomad_driver/endpoint.py). The
+    # server name (CONSUL_TLS_SERVER_NAME) the Consul client reads itself.
+    skip_verify: bool = False
     service: str = ENGINE_SERVICE
     # Consul caps a blocking wait at 10 minutes; under a minute keeps every HTTP timeout in
     # the chain (proxies, load balancers) from cutting a healthy watch.
     wait_s: float = 55.0
 
     def ssl_context(self) -> ssl.SSLContext | None:
-        return client_ssl_context(self.addr, self.cacert, self.client_cert, self.client_key)
+        return client_ssl_context(
+            self.addr, self.cacert, self.client_cert, self.client_key, skip_verify=self.skip_verify
+        )
 
 
 @dataclass(frozen=True)
@@ -174,6 +179,7 @@ def consul_from_env(env: Mapping[str, str]) -> ConsulSettings:
         cacert=env.get("CONSUL_CACERT", ""),
         client_cert=env.get("CONSUL_CLIENT_CERT", ""),
         client_key=env.get("CONSUL_CLIENT_KEY", ""),
+        skip_verify=consul_tls(env).skip_verify,
     )
 
 

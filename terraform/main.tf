@@ -74,21 +74,23 @@ resource "nomad_job" "watcher" {
 
   hcl2 {
     vars = {
-      llmgw_version      = var.llmgw_version
-      image              = var.image
-      datacenters        = jsonencode(var.datacenters)
-      node_pool          = var.node_pool
-      nomad_addr         = var.nomad_addr
-      consul_addr        = var.consul_addr
-      max_start_failures = tostring(var.max_start_failures)
-      models_namespace   = var.models_namespace
-      tls_dir            = var.tls.dir
-      nomad_cacert       = var.tls.nomad_cacert
-      nomad_client_cert  = var.tls.nomad_client_cert
-      nomad_client_key   = var.tls.nomad_client_key
-      consul_cacert      = var.tls.consul_cacert
-      consul_client_cert = var.tls.consul_client_cert
-      consul_client_key  = var.tls.consul_client_key
+      llmgw_version          = var.llmgw_version
+      image                  = var.image
+      datacenters            = jsonencode(var.datacenters)
+      node_pool              = var.node_pool
+      nomad_addr             = var.nomad_addr
+      consul_addr            = var.consul_addr
+      max_start_failures     = tostring(var.max_start_failures)
+      models_namespace       = var.models_namespace
+      tls_dir                = var.tls.dir
+      nomad_cacert           = var.tls.nomad_cacert
+      nomad_client_cert      = var.tls.nomad_client_cert
+      nomad_client_key       = var.tls.nomad_client_key
+      consul_cacert          = var.tls.consul_cacert
+      consul_client_cert     = var.tls.consul_client_cert
+      consul_client_key      = var.tls.consul_client_key
+      nomad_tls_server_name  = var.tls.nomad_tls_server_name
+      consul_tls_server_name = var.tls.consul_tls_server_name
     }
   }
 
@@ -100,17 +102,18 @@ resource "nomad_job" "router" {
 
   hcl2 {
     vars = {
-      llmgw_version      = var.llmgw_version
-      image              = var.image
-      datacenters        = jsonencode(var.datacenters)
-      node_pool          = var.node_pool
-      consul_addr        = var.consul_addr
-      router_count       = tostring(var.router_count)
-      port               = tostring(var.router_port)
-      tls_dir            = var.tls.dir
-      consul_cacert      = var.tls.consul_cacert
-      consul_client_cert = var.tls.consul_client_cert
-      consul_client_key  = var.tls.consul_client_key
+      llmgw_version          = var.llmgw_version
+      image                  = var.image
+      datacenters            = jsonencode(var.datacenters)
+      node_pool              = var.node_pool
+      consul_addr            = var.consul_addr
+      router_count           = tostring(var.router_count)
+      port                   = tostring(var.router_port)
+      tls_dir                = var.tls.dir
+      consul_cacert          = var.tls.consul_cacert
+      consul_client_cert     = var.tls.consul_client_cert
+      consul_client_key      = var.tls.consul_client_key
+      consul_tls_server_name = var.tls.consul_tls_server_name
     }
   }
 
@@ -122,17 +125,18 @@ resource "nomad_job" "node_agent" {
 
   hcl2 {
     vars = {
-      llmgw_version     = var.llmgw_version
-      image             = var.image
-      datacenters       = jsonencode(var.datacenters)
-      gpu_node_pool     = var.gpu_node_pool
-      engines_dir       = var.engines_dir
-      models_dir        = var.models_dir
-      nomad_addr        = var.node_nomad_addr
-      tls_dir           = var.tls.dir
-      nomad_cacert      = var.tls.nomad_cacert
-      nomad_client_cert = var.tls.nomad_client_cert
-      nomad_client_key  = var.tls.nomad_client_key
+      llmgw_version         = var.llmgw_version
+      image                 = var.image
+      datacenters           = jsonencode(var.datacenters)
+      gpu_node_pool         = var.gpu_node_pool
+      engines_dir           = var.engines_dir
+      models_dir            = var.models_dir
+      nomad_addr            = var.node_nomad_addr
+      tls_dir               = var.tls.dir
+      nomad_cacert          = var.tls.nomad_cacert
+      nomad_client_cert     = var.tls.nomad_client_cert
+      nomad_client_key      = var.tls.nomad_client_key
+      nomad_tls_server_name = var.tls.nomad_tls_server_name
     }
   }
 

@@ -72,13 +72,13 @@ variable "router_port" {
 
 variable "nomad_addr" {
   type        = string
-  description = "Nomad HTTP API as seen from inside the tasks (a URL; https:// where Nomad has TLS). Empty: the Nomad agent on the task's own host."
+  description = "Nomad HTTP API as seen from inside the tasks (a URL; https:// where Nomad has TLS). Empty: the Nomad agent on the task's own host, http://127.0.0.1:4646 (the tasks run on the host's network)."
   default     = ""
 }
 
 variable "consul_addr" {
   type        = string
-  description = "Consul HTTP API as seen from inside the tasks (host:port or a URL). Empty: the Consul agent on the task's own host."
+  description = "Consul HTTP API as seen from inside the tasks (host:port or a URL). Empty: the Consul agent on the task's own host, http://127.0.0.1:8500, where a default Consul agent listens."
   default     = ""
 }
 
@@ -124,27 +124,29 @@ variable "admin_token" {
 }
 
 variable "tls" {
-  description = "TLS to Nomad and Consul: a directory present on every node holding the CA and client certificates (mounted read-only into llmgw's tasks), and the paths of the files in it; empty strings for what you do not use. Set nomad_addr and consul_addr (and node_nomad_addr) to https:// addresses with it."
+  description = "TLS to Nomad and Consul: a directory present on every node, mounted read-only at /etc/llmgw/tls in llmgw's tasks (empty: nothing is mounted), the names of the files in it, and the names to verify the agents' certificates against where nomad_addr and consul_addr are names the certificates lack (NOMAD_TLS_SERVER_NAME, CONSUL_TLS_SERVER_NAME); empty strings for what you do not use. Set nomad_addr and consul_addr (and node_nomad_addr) to https:// addresses with it."
   type = object({
-    dir                = optional(string, "/etc/ssl/certs")
-    nomad_cacert       = optional(string, "")
-    nomad_client_cert  = optional(string, "")
-    nomad_client_key   = optional(string, "")
-    consul_cacert      = optional(string, "")
-    consul_client_cert = optional(string, "")
-    consul_client_key  = optional(string, "")
+    dir                    = optional(string, "")
+    nomad_cacert           = optional(string, "")
+    nomad_client_cert      = optional(string, "")
+    nomad_client_key       = optional(string, "")
+    consul_cacert          = optional(string, "")
+    consul_client_cert     = optional(string, "")
+    consul_client_key      = optional(string, "")
+    nomad_tls_server_name  = optional(string, "")
+    consul_tls_server_name = optional(string, "")
   })
   default = {}
 }
 
 variable "node_nomad_addr" {
-  description = "The node agent's Nomad address, its own node's client API, as seen from the task (https://... where it requires TLS); empty: the agent on the node over http."
+  description = "The node agent's Nomad address, its own node's client API, as seen from the task (https://... where it requires TLS); empty: the agent on the node, http://127.0.0.1:4646."
   type        = string
   default     = ""
 }
 
 variable "models_namespace" {
-  description = "Nomad namespace of the model jobs: the watcher registers and the routers scale them there, and their Nomad policies grant only there. Create it first (`nomad namespace apply`)."
+  description = "Nomad namespace of the model jobs: the watcher registers and scales them there (the routers ask it through Consul), and its Nomad policy grants only there. Create it first (`nomad namespace apply`)."
   type        = string
   default     = "default"
 }

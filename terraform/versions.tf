@@ -1,5 +1,5 @@
 terraform {
-  required_version = ">= 1.0.0"
+  required_version = ">= 1.3.0" # optional(type, default) in variables.tf
 
   required_providers {
     # 2.0 is the first release with nomad_variable and the hcl2 `vars` map as used here.

@@ -282,7 +282,7 @@ ELSEWHERE: dict[str, tuple[str, str]] = {
     ),
     "NOMAD_IP_rpc": ("nomad_driver/render.py", "set by Nomad in a multi-node replica's task, for ggml-rpc"),
     "NOMAD_PORT_rpc": ("nomad_driver/render.py", "set by Nomad in a multi-node replica's task, for ggml-rpc"),
-    "NOMAD_TASK_DIR": ("nomad_driver/render.py", "set by Nomad; where a model's weights are downloaded"),
+    "NOMAD_TASK_DIR": ("nomad_driver/weights.py", "set by Nomad; where a model's weights are downloaded"),
     "LLMGW_CACHE": ("devstack/llama_cpp.py", "the dev stack's download and build cache"),
     "LLMGW_DEVSTACK_DIR": ("devstack/__main__.py", "the dev stack's state directory"),
     "LLMGW_DEVSTACK_TINY": ("devstack/__main__.py", "the dev stack's tiny-model mode"),

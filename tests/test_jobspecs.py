@@ -61,7 +61,8 @@ def test_router_registers_its_service_with_a_health_check_on_a_fixed_port() -> N
     assert group["Count"] == 4
     assert group["Services"][0]["Name"] == "llmgw-router"
     assert group["Services"][0]["Checks"][0]["Type"] == "http"
-    assert group["Networks"][0]["ReservedPorts"] == [{"Label": "http", "Value": 8080, "To": 8080}]
+    # On the host's network (tests/test_jobs_default_cluster.py): the port is the router's own.
+    assert group["Networks"][0]["ReservedPorts"] == [{"Label": "http", "Value": 8080, "To": 0}]
 
 
 def test_node_agent_is_a_system_job_on_the_gpu_pool() -> None:
@@ -73,7 +74,7 @@ def test_node_agent_is_a_system_job_on_the_gpu_pool() -> None:
 def test_addresses_default_to_the_local_agents_and_can_be_overridden() -> None:
     text = (JOBS / "llmgw-watcher.nomad.hcl").read_text()
     task = parse_jobspec(text)["TaskGroups"][0]["Tasks"][0]
-    assert task["Env"]["NOMAD_ADDR"] == "http://${attr.unique.network.ip-address}:4646"
+    assert task["Env"]["NOMAD_ADDR"] == "http://127.0.0.1:4646"
     task = parse(JOBS / "llmgw-watcher.nomad.hcl", nomad_addr="https://nomad.internal:4646")["TaskGroups"][0][
         "Tasks"
     ][0]
@@ -121,13 +122,14 @@ def test_variables_file_is_read_as_nomad_reads_it() -> None:
 TLS_VARS = {
     "nomad_addr": "https://nomad.internal:4646",
     "consul_addr": "https://consul.internal:8501",
-    "tls_dir": "/etc/llmgw/tls",
-    "nomad_cacert": "/etc/llmgw/tls/nomad-ca.pem",
-    "nomad_client_cert": "/etc/llmgw/tls/cli.pem",
-    "nomad_client_key": "/etc/llmgw/tls/cli-key.pem",
-    "consul_cacert": "/etc/llmgw/tls/consul-ca.pem",
-    "consul_client_cert": "/etc/llmgw/tls/consul-cli.pem",
-    "consul_client_key": "/etc/llmgw/tls/consul-cli-key.pem",
+    "tls_dir": "/srv/pki/llmgw",
+    # File names in tls_dir, which the task sees at /etc/llmgw/tls.
+    "nomad_cacert": "nomad-ca.pem",
+    "nomad_client_cert": "cli.pem",
+    "nomad_client_key": "cli-key.pem",
+    "consul_cacert": "consul-ca.pem",
+    "consul_client_cert": "consul-cli.pem",
+    "consul_client_key": "consul-cli-key.pem",
 }
 
 
@@ -142,7 +144,7 @@ def test_every_job_talks_tls_to_nomad_and_consul_when_told_to(path: Path) -> Non
         assert not any(key.startswith("NOMAD_") for key in env)
         assert env["CONSUL_HTTP_ADDR"] == "https://consul.internal:8501"
         assert env["CONSUL_CACERT"] == "/etc/llmgw/tls/consul-ca.pem"
-        assert "/etc/llmgw/tls:/etc/llmgw/tls:ro" in task["Config"]["volumes"]
+        assert "/srv/pki/llmgw:/etc/llmgw/tls:ro" in task["Config"]["volumes"]
         return
     assert env["NOMAD_ADDR"] == "https://nomad.internal:4646"
     assert (env["NOMAD_CACERT"], env["NOMAD_CLIENT_CERT"], env["NOMAD_CLIENT_KEY"]) == (
@@ -154,7 +156,7 @@ def test_every_job_talks_tls_to_nomad_and_consul_when_told_to(path: Path) -> Non
         assert env["CONSUL_HTTP_ADDR"] == "https://consul.internal:8501"
         assert env["CONSUL_CACERT"] == "/etc/llmgw/tls/consul-ca.pem"
         assert env["CONSUL_CLIENT_KEY"] == "/etc/llmgw/tls/consul-cli-key.pem"
-    assert "/etc/llmgw/tls:/etc/llmgw/tls:ro" in task["Config"]["volumes"]
+    assert "/srv/pki/llmgw:/etc/llmgw/tls:ro" in task["Config"]["volumes"]
     # Without them nothing TLS is set: the code reads an empty variable as unset.
     plain = parse(path)["TaskGroups"][0]["Tasks"][0]["Env"]
     assert plain["NOMAD_ADDR"].startswith("http://") and not plain["NOMAD_CACERT"]

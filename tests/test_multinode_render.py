@@ -261,3 +261,27 @@ def test_each_shard_lands_only_on_a_node_with_exactly_the_gpus_it_takes() -> Non
     # Nothing to match for a replica without GPUs.
     cpu = render_job(SET.models["cpu-split"])["Constraints"]
     assert all(c.get("LTarget") != "${meta.llmgw_gpu_count}" for c in cpu)
+
+
+@pytest.mark.parametrize("name", ["cpu-split", "llama-405b"])
+def test_every_task_whose_template_asks_consul_has_a_consul_block(name: str) -> None:
+    """Nomad gives a task a Consul workload identity, and so its template a Consul token, only
+    when the task or its group has a `consul` block (hashicorp/nomad
+    nomad/job_endpoint_hook_implicit_identities.go, `handleConsulTask`). Without one, on a
+    Consul with ACLs, the leader's lookup of its shards sees nothing and it waits for ever."""
+    job = render_replica_job(SET.models[name], 0)
+    asking = [
+        task
+        for group in job["TaskGroups"]
+        for task in group["Tasks"]
+        if any("service " in t["EmbeddedTmpl"] for t in task.get("Templates") or [])
+    ]
+    assert asking
+    for task in asking:
+        assert task["Consul"] == {}
+    tree = _unquote(hcl2.loads(render_hcl(SET.models[name])))
+    ((_, body),) = [next(iter(b.items())) for b in tree["job"]]
+    tasks = [next(iter(t.items()))[1] for g in body["group"] for t in next(iter(g.items()))[1]["task"]]
+    with_consul = [t for t in tasks if "consul" in t]
+    assert len(with_consul) == len(asking)
+    assert all("template" in t for t in with_consul)

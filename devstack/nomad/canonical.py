@@ -278,6 +278,10 @@ def _canonicalize_task(job: Json, group: Json, task: Json) -> None:
         task.setdefault(key, None)
     for key, default in (("User", ""), ("Leader", False), ("KillSignal", ""), ("Kind", "")):
         task.setdefault(key, default)
+    if isinstance(task.get("Consul"), dict):
+        # api/consul.go `Consul.Canonicalize`: the cluster defaults to "default".
+        task["Consul"] = {"Namespace": "", "Partition": "", **task["Consul"]}
+        task["Consul"]["Cluster"] = task["Consul"].get("Cluster") or "default"
     _durations(task)
     if task.get("KillTimeout") is None:
         task["KillTimeout"] = 5 * SECOND

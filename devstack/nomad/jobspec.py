@@ -20,13 +20,11 @@ from typing import Any
 
 import hcl2
 
+from devstack.nomad.hclexpr import Evaluator as _Evaluator
+from devstack.nomad.hclexpr import JobspecError
 from devstack.nomad.jobspec_keys import ATTRS, BLOCK_KEYS, BODY_KEYS, DURATIONS
 
 Json = dict[str, Any]
-
-
-class JobspecError(ValueError):
-    pass
 
 
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
@@ -39,7 +37,6 @@ _UNITS_NS = {
     "m": 60 * 10**9,
     "h": 3600 * 10**9,
 }
-_VAR_REF = re.compile(r"\$\{var\.([A-Za-z0-9_-]+)\}")
 
 
 def duration_ns(value: Any, where: str) -> int:
@@ -50,85 +47,6 @@ def duration_ns(value: Any, where: str) -> int:
     if not parts or "".join(n + u for n, u in parts) != text:
         raise JobspecError(f"{where}: {text!r} is not a duration such as 30s or 5m")
     return int(sum(float(n) * _UNITS_NS[u] for n, u in parts))
-
-
-class _Evaluator:
-    def __init__(self, variables: dict[str, Any]) -> None:
-        self.variables = variables
-
-    def var(self, name: str, where: str) -> Any:
-        if name not in self.variables:
-            raise JobspecError(f"{where}: unknown variable var.{name}")
-        return self.variables[name]
-
-    def _split_args(self, text: str) -> list[str]:
-        args, depth, quoted, current = [], 0, False, ""
-        for ch in text:
-            if ch == '"' and not current.endswith("\\"):
-                quoted = not quoted
-            if not quoted and ch in "([{":
-                depth += 1
-            if not quoted and ch in ")]}":
-                depth -= 1
-            if ch == "," and depth == 0 and not quoted:
-                args.append(current.strip())
-                current = ""
-                continue
-            current += ch
-        if current.strip():
-            args.append(current.strip())
-        return args
-
-    def expression(self, expr: str, where: str) -> Any:
-        expr = expr.strip()
-        if expr.startswith("var."):
-            return self.var(expr[4:], where)
-        if expr.startswith('"') and expr.endswith('"'):
-            return self.template(expr[1:-1], where)
-        match = re.fullmatch(r"coalesce\((.*)\)", expr, re.S)
-        if match:
-            for arg in self._split_args(match.group(1)):
-                value = self.expression(arg, where)
-                if value not in (None, ""):
-                    return value
-            raise JobspecError(f"{where}: coalesce() got only empty values")
-        if re.fullmatch(r"-?\d+", expr):
-            return int(expr)
-        if expr in ("true", "false"):
-            return expr == "true"
-        raise JobspecError(f"{where}: expression {expr!r} is outside what the stand-in's parser supports")
-
-    def template(self, text: str, where: str) -> str:
-        text = _VAR_REF.sub(lambda m: str(self.var(m.group(1), where)), text)
-        return text.replace("$${", "${").replace('\\"', '"')
-
-    def value(self, raw: Any, where: str) -> Any:
-        if isinstance(raw, list):
-            return [self.value(item, where) for item in raw]
-        if isinstance(raw, dict):
-            return {
-                self.label(k): self.value(v, f"{where}.{self.label(k)}")
-                for k, v in raw.items()
-                if not k.startswith("__")
-            }
-        if not isinstance(raw, str):
-            return raw
-        if raw.startswith('"') and raw.endswith('"') and len(raw) >= 2:
-            raw = raw[1:-1]
-            if not raw.startswith("<<"):
-                return self.template(raw, where)
-        if raw.startswith("${") and raw.endswith("}"):
-            return self.expression(raw[2:-1], where)
-        if raw.startswith("<<"):
-            # A heredoc: python-hcl2 keeps the marker lines; `<<-` strips the common indent.
-            lines = raw.splitlines()[1:-1]
-            indent = min((len(line) - len(line.lstrip()) for line in lines if line.strip()), default=0)
-            return self.template("\n".join(line[indent:] for line in lines) + "\n", where)
-        return raw
-
-    @staticmethod
-    def label(key: str) -> str:
-        return key[1:-1] if key.startswith('"') and key.endswith('"') else key
 
 
 def _blocks(body: Json, name: str) -> list[tuple[str | None, Json]]:
@@ -385,6 +303,7 @@ class _Converter:
             "Affinities": self.constraints(body, where, "affinity") or None,
             "RestartPolicy": self._one(body, "restart", where, self.restart),
             "ShutdownDelay": self._d(body, "shutdown_delay", where),
+            "Consul": self._one(body, "consul", where, lambda b, w: self.attrs("consul", b, w)),
             **self.identities(body, where),
         }
 

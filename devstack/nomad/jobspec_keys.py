@@ -19,6 +19,7 @@ BODY_KEYS = {
     "task": {
         "driver", "config", "env", "template", "resources", "artifact", "meta", "constraint",
         "affinity", "service", "kill_timeout", "user", "restart", "identity", "shutdown_delay",
+        "consul",
     },
 }  # fmt: skip
 
@@ -52,6 +53,8 @@ BLOCK_KEYS = {
 # Blocks whose attributes map one to one onto API fields: HCL name -> API name. Durations are
 # converted to nanoseconds; the nested blocks each kind may hold are listed apart.
 ATTRS: dict[str, dict[str, str]] = {
+    # api/consul.go `Consul`: a task's or group's Consul block.
+    "consul": {"namespace": "Namespace", "cluster": "Cluster", "partition": "Partition"},
     "service": {
         "name": "Name", "tags": "Tags", "canary_tags": "CanaryTags",
         "enable_tag_override": "EnableTagOverride", "port": "PortLabel",

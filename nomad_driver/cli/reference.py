@@ -30,15 +30,23 @@ ENV_NOTES: dict[str, str] = {
     "NOMAD_CACERT": "CA certificate that signed Nomad's HTTPS certificate",
     "NOMAD_CLIENT_CERT": "client certificate for Nomad's mutual TLS",
     "NOMAD_CLIENT_KEY": "private key of NOMAD_CLIENT_CERT",
+    "NOMAD_CAPATH": "a directory of CA certificates, instead of NOMAD_CACERT",
+    "NOMAD_TLS_SERVER_NAME": "the name Nomad's certificate is verified against (and the SNI), when NOMAD_ADDR "
+    "is not one of its names, e.g. `server.global.nomad`; as the nomad CLI reads it",
+    "NOMAD_SKIP_VERIFY": "`true`: do not verify Nomad's certificate (a Go boolean; anything else is an error)",
     "LLMGW_VERIFY_SKIPPED_PASSES": "a file: the watcher runs the passes it would skip with nothing new and "
     "appends every model whose decision came out different (the test suite sets it)",
     "NOMAD_ADDR_admin": "set by Nomad for the task's `admin` port; the watcher advertises it when it listens on 0.0.0.0",
     "CONSUL_HTTP_ADDR": "Consul's HTTP API, `host:port` or a URL; default `127.0.0.1:8500`",
-    "CONSUL_HTTP_SSL": "`true`: `https://` for a `host:port` CONSUL_HTTP_ADDR",
+    "CONSUL_HTTP_SSL": "`true`: `https://` for a `host:port` CONSUL_HTTP_ADDR, and for an `http://` one",
     "CONSUL_HTTP_TOKEN": "Consul ACL token",
     "CONSUL_CACERT": "CA certificate that signed Consul's HTTPS certificate",
     "CONSUL_CLIENT_CERT": "client certificate for Consul's mutual TLS",
     "CONSUL_CLIENT_KEY": "private key of CONSUL_CLIENT_CERT",
+    "CONSUL_CAPATH": "a directory of CA certificates, instead of CONSUL_CACERT",
+    "CONSUL_TLS_SERVER_NAME": "the name Consul's certificate is verified against (and the SNI), when "
+    "CONSUL_HTTP_ADDR is not one of its names, e.g. `server.dc1.consul` (a `:port` is dropped); as the consul CLI reads it",
+    "CONSUL_HTTP_SSL_VERIFY": "`false`: do not verify Consul's certificate (a Go boolean; anything else is an error)",
     "LLMGW_ADMIN_TOKEN": (
         "the watcher: when set, `POST` on the admin API needs `Authorization: Bearer <it>`; "
         "listening beyond loopback, every route but `/healthz` and `/metrics` needs it, and "

@@ -21,6 +21,7 @@ import httpx
 from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client import Counter as PromCounter
 
+from nomad_driver.endpoint import nomad_tls
 from nomad_driver.node_agent.inventory import EngineInstall, EngineScanner, cached_models
 from nomad_driver.node_agent.nvml import GpuReading, NvmlReader, NvmlUnavailable
 from nomad_driver.node_meta import (
@@ -57,6 +58,13 @@ class Inventory:
     gpus: list[GpuReading] | None  # None: NVML unavailable
     engines: list[EngineInstall]
     models: list[str]
+
+
+def _with_server_name(name: str) -> Callable[[httpx.Request], None]:
+    def hook(request: httpx.Request) -> None:
+        request.extensions["sni_hostname"] = name
+
+    return hook
 
 
 def gpu_class_of(gpus: list[GpuReading]) -> str:
@@ -185,12 +193,16 @@ class NodeAgent:
         self.published: dict[str, str] = {}
         headers = {"X-Nomad-Token": config.nomad_token} if config.nomad_token else {}
         verify, cert = tls_from_env(config.nomad_addr)
+        server_name = nomad_tls().server_name
         self._http = http or httpx.Client(
             base_url=config.nomad_addr,
             headers=headers,
             timeout=10.0,
             verify=verify,
             cert=(cert[0], cert[1]) if cert else None,
+            # NOMAD_TLS_SERVER_NAME: httpcore sends it as SNI and verifies the certificate
+            # against it, as the nomad CLI does.
+            event_hooks={"request": [_with_server_name(server_name)]} if server_name else None,
         )
         self._stop = threading.Event()
 

@@ -1,8 +1,9 @@
-# The smallest root module that runs llmgw: providers pointed at the cluster (tokens come from
-# NOMAD_TOKEN and CONSUL_HTTP_TOKEN in the environment, never from files), and the module.
+# The smallest root module that runs llmgw: the providers find the cluster as the CLIs do, from
+# NOMAD_ADDR, NOMAD_TOKEN, CONSUL_HTTP_ADDR and CONSUL_HTTP_TOKEN in the environment (an
+# `address` here would win over the exported one), and the module.
 
 terraform {
-  required_version = ">= 1.0.0"
+  required_version = ">= 1.3.0"
 
   required_providers {
     nomad = {
@@ -20,31 +21,15 @@ terraform {
   }
 }
 
-variable "nomad_address" {
-  type        = string
-  description = "Nomad HTTP API as seen from where Terraform runs."
-  default     = "http://127.0.0.1:4646"
-}
-
-variable "consul_address" {
-  type        = string
-  description = "Consul HTTP API as seen from where Terraform runs (host:port)."
-  default     = "127.0.0.1:8500"
-}
-
 variable "api_keys" {
   type        = list(string)
   description = "Bearer tokens for the routers' clients; pass them with TF_VAR_api_keys='[\"...\"]'."
   sensitive   = true
 }
 
-provider "nomad" {
-  address = var.nomad_address
-}
+provider "nomad" {}
 
-provider "consul" {
-  address = var.consul_address
-}
+provider "consul" {}
 
 module "llmgw" {
   source = "../.."
