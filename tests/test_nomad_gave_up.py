@@ -11,7 +11,7 @@ import httpx
 
 from nomad_driver.render import RESCHEDULE_POLICY
 from nomad_driver.watcher.given_up import reschedule_eligible, spent_slots
-from nomad_driver.watcher.reconcile import ForceReschedule, reconcile
+from nomad_driver.watcher.reconcile import ForceReschedule, reconcile, retried
 from tests.test_reconcile import KEV, NOW, crashed, job, view
 
 HOUR_NS = 3_600_000_000_000
@@ -51,6 +51,37 @@ def test_a_slot_nomad_gave_up_on_is_named_and_asked_again() -> None:
     again = reconcile(view(job=job(KEV, 1), allocs=asked), 5)
     assert not any(isinstance(a, ForceReschedule) for a in again.actions)
     assert again.state.nomad_gave_up == ""
+
+
+def test_beside_a_serving_replica_a_spent_slot_is_shown_and_asked_again_only_after_a_retry() -> None:
+    """A partial failure (docs/watcher.md): Nomad's budgets bound a bad node's slot, and llmgw
+    does not force attempts beyond them while another replica serves, unless asked to."""
+    t = int(NOW * 1e9) - 10_000_000_000
+    serving = {
+        "ID": "ok",
+        "ClientStatus": "running",
+        "DesiredStatus": "run",
+        "TaskGroup": "engine",
+        "NodeName": "gpu-1",
+        "TaskStates": {"engine": {"Events": [{"Type": "Started", "Time": t - 90_000}]}},
+    }
+    bad = spent("a2", t, 2) | {"NodeName": "gpu-7"}
+    v = view(job=job(KEV, 2), allocs=(serving, bad), healthy_starts=frozenset({(t - 90_000, "ok")}), ready=1)
+    decision = reconcile(v, 5)
+    assert not any(isinstance(a, ForceReschedule) for a in decision.actions)
+    assert decision.state.nomad_gave_up == "" and not decision.state.parked
+    assert "the replica a2 on node gpu-7 failed 1 start(s) in a row" in decision.state.degraded
+    assert "llmgw ctl retry kev" in decision.state.degraded
+    assert decision.health == "warning" and decision.health_output.startswith("degraded: 1 of ")
+    # The operator retries: the slot is asked again.
+    retried_view = view(
+        job=job(KEV, 2),
+        allocs=(serving, bad),
+        healthy_starts=frozenset({(t - 90_000, "ok")}),
+        ready=1,
+        state=retried(v),
+    )
+    assert ForceReschedule("kev", KEV.job_id, ("a2",)) in reconcile(retried_view, 5).actions
 
 
 def test_a_failed_allocation_nomad_will_still_reschedule_is_left_to_nomad() -> None:

@@ -43,6 +43,7 @@ STATE_STYLES = {
     "parked": "bold red",
     "refused": "bold red",
     "gave-up": "bold red",
+    "degraded": "bold yellow",
     "conflict": "bold red",
 }
 
@@ -101,8 +102,8 @@ def print_json(data: Any) -> None:
 
 def model_problem(model: dict[str, Any]) -> str | None:
     """parked, refused (Nomad refuses llmgw's calls for it), unplaceable, gave-up (Nomad will not
-    replace a failed allocation; llmgw asked it again) or short when a model
-    is not serving what it should have now.
+    replace a failed allocation; llmgw asked it again), degraded (a slot keeps failing beside
+    serving replicas) or short when a model is not serving what it should have now.
 
     Counted from the fields as well as the state word, so an older or newer watcher's state
     vocabulary cannot make a short model pass `--check`.
@@ -117,6 +118,8 @@ def model_problem(model: dict[str, Any]) -> str | None:
         return "unplaceable"
     if model.get("nomad_gave_up") or model.get("state") == "gave-up":
         return "gave-up"
+    if model.get("degraded") or model.get("state") == "degraded":
+        return "degraded"
     if as_int(model.get("ready")) < as_int(model.get("desired")) or model.get("state") in (
         "short",
         "starting",

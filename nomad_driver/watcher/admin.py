@@ -110,6 +110,12 @@ class WatcherCollector(Collector):
                 "spent) and llmgw has asked it to reschedule anyway.",
                 labels=["model"],
             ),
+            "degraded": GaugeMetricFamily(
+                "llmgw_model_degraded",
+                "1 while some replicas of the model serve and a slot beside them keeps failing (not parked: "
+                "a partial failure).",
+                labels=["model"],
+            ),
             "short": GaugeMetricFamily(
                 "llmgw_model_short",
                 "1 while Nomad cannot place the replicas the model's load asks for (its minimum serves).",
@@ -135,6 +141,7 @@ class WatcherCollector(Collector):
             gauges["refused"].add_metric([name], 1 if d and d.state.last_action_error else 0)
             gauges["short"].add_metric([name], 1 if d and d.state.short else 0)
             gauges["gave_up"].add_metric([name], 1 if d and d.state.nomad_gave_up else 0)
+            gauges["degraded"].add_metric([name], 1 if d and d.state.degraded else 0)
             for reason in REASONS:
                 reasons.add_metric([name, reason], 1 if d and d.desired_reason == reason else 0)
         yield from gauges.values()
@@ -201,6 +208,8 @@ def model_status(w: Watcher, name: str) -> dict[str, Any]:
         word = "unplaceable"
     elif d.state.nomad_gave_up:
         word = "gave-up"  # Nomad will not replace a failed allocation; llmgw asked it again
+    elif d.state.degraded:
+        word = "degraded"  # serving, while a slot beside the serving replicas keeps failing
     elif d.state.short:
         word = "short"  # serving its minimum; Nomad cannot place what the load asks for
     elif d.ready >= d.desired:
@@ -231,6 +240,7 @@ def model_status(w: Watcher, name: str) -> dict[str, Any]:
         "short": d.state.short,
         "short_reason": redact(d.state.short_reason),
         "nomad_gave_up": d.state.nomad_gave_up,
+        "degraded": redact(d.state.degraded),
         "ready": d.ready,
         "starting": d.starting,
         "satisfied": d.ready >= d.desired and not d.state.parked,

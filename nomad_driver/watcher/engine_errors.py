@@ -44,11 +44,20 @@ class EngineErrors:
         """The line of the failed engine's stderr that says why it died; Nomad's task event
         only when that read fails or the engine wrote nothing telling. Bounded, because a pass
         waits for it."""
-        key = (park.alloc_id, park.task, park.failures)
+        error = await self.read_start(park.model, park.alloc_id, park.task, park.failures, park.event_error)
+        if park.cause:
+            # A multi-node replica's shard failed: alloc_id/task are that shard's, and the
+            # error says which shard on which node, so nobody reads the leader's log for it.
+            error = f"{park.cause}: {error}"
+        return error
+
+    async def read_start(self, model: str, alloc_id: str, task: str, failures: int, event_error: str) -> str:
+        """`read` for any failed start: a parked model's, or a degraded one's failing slot."""
+        key = (alloc_id, task, failures)
         if key in self._read:
             return self._read[key]
         line = ""
-        if park.alloc_id and park.task:
+        if alloc_id and task:
             loop = asyncio.get_running_loop()
             deadline = loop.time() + self.wait_s
             # An empty log is asked again only briefly: most engines that die write nothing
@@ -57,14 +66,14 @@ class EngineErrors:
             while True:
                 try:
                     stderr = await asyncio.wait_for(
-                        asyncio.to_thread(self.nomad.stderr_tail, park.alloc_id, park.task),
+                        asyncio.to_thread(self.nomad.stderr_tail, alloc_id, task),
                         timeout=max(0.1, deadline - loop.time()),
                     )
                 except (NomadError, TimeoutError) as exc:
                     log.warning(
                         "event=stderr_unavailable model=%s alloc=%s error=%r fallback=task_event",
-                        park.model,
-                        park.alloc_id,
+                        model,
+                        alloc_id,
                         str(exc) or type(exc).__name__,
                     )
                     break
@@ -76,11 +85,7 @@ class EngineErrors:
                 await asyncio.sleep(0.1)
         # What is stored, shown in the Consul UI and given to Nomad as the scaling message: an
         # engine's error quotes what it was given, a source or a token.
-        error = redact(line or park.event_error) or "no error recorded"
-        if park.cause:
-            # A multi-node replica's shard failed: alloc_id/task are that shard's, and the
-            # error says which shard on which node, so nobody reads the leader's log for it.
-            error = f"{park.cause}: {error}"
+        error = redact(line or event_error) or "no error recorded"
         self._read[key] = error
         return error
 
@@ -95,7 +100,14 @@ class EngineErrors:
         state = d.state
         stored = view.state
         park = next((a for a in d.actions if isinstance(a, Park)), None)
-        if park is not None:
+        if d.degraded is not None and d.degraded.slots:
+            # The failing slot beside the serving replicas, named with the engine's words.
+            slot = d.degraded.slots[0]
+            words = await self.read_start(d.model, slot.alloc_id, slot.task, slot.failures, slot.error)
+            state = state.model_copy(update={"degraded": d.degraded.text(d.model, words)})
+            if same_state(state, d.state):
+                return d
+        elif park is not None:
             state = state.model_copy(update={"last_error": await self.read(park)})
         elif (
             stored is not None
@@ -118,4 +130,7 @@ class EngineErrors:
                     continue
                 a = replace(a, state=state)
             actions.append(a)
+        writes = any(isinstance(a, (Park, WriteState)) for a in actions)
+        if not writes and (stored is None or view.state_problem or not same_state(state, stored)):
+            actions.append(WriteState(d.model, state, view.state_index))
         return replace(d, state=state, health=health, health_output=output, actions=tuple(actions))

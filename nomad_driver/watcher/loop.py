@@ -505,6 +505,12 @@ class Watcher:
             for a in d.actions
             if isinstance(a, Park)
         }
+        parks |= {
+            (s.alloc_id, s.task, s.failures)
+            for d in decisions.values()
+            if d.degraded is not None
+            for s in d.degraded.slots[:1]
+        }
         for name, d in decisions.items():
             decisions[name] = await self.engine_errors.telling(d, views[name])
         self.engine_errors.keep_only(parks)

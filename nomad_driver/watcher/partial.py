@@ -13,6 +13,7 @@ count starts from there, and five failed starts park the model as usual.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -26,9 +27,10 @@ _HOLDING = {"pending", "running", "failed"}
 @dataclass(frozen=True)
 class FailingSlot:
     alloc_id: str
+    task: str
     node: str
     failures: int  # failed starts in a row in this allocation, newest last
-    error: str
+    error: str  # what Nomad's task event said; the watcher reads the engine's own words after
 
 
 def failing_slots(
@@ -61,8 +63,23 @@ def failing_slots(
             in_a_row += 1
         if in_a_row:
             node = str(alloc.get("NodeName") or alloc.get("NodeID") or "(unknown)")
-            out.append(FailingSlot(alloc_id, node, in_a_row, ended[-1].error))
+            out.append(FailingSlot(alloc_id, ended[-1].task, node, in_a_row, ended[-1].error))
     return sorted(out, key=lambda f: (f.node, f.alloc_id))
+
+
+@dataclass(frozen=True)
+class Degraded:
+    """A partial failure as a pass decided it: the failing slots (the first is named) and the
+    spent ones among them, for restating it with the engine's own words."""
+
+    slots: tuple[FailingSlot, ...]
+    spent: tuple[str, ...]
+
+    def text(self, model: str, error: str = "") -> str:
+        slots = list(self.slots)
+        if slots and error:
+            slots[0] = dataclasses.replace(slots[0], error=error)
+        return degraded_text(model, slots, self.spent)
 
 
 def degraded_text(model: str, slots: list[FailingSlot], spent: Iterable[str]) -> str:

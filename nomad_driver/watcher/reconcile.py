@@ -27,7 +27,7 @@ from nomad_driver.watcher.parking import (
     count_starts,
     starts_of,
 )
-from nomad_driver.watcher.partial import degraded_text, failing_slots
+from nomad_driver.watcher.partial import Degraded, failing_slots
 from nomad_driver.watcher.replica_starts import ReplicaStarts, replica_starts, stuck_start
 from nomad_driver.watcher.replica_steps import ReplicaStep, replica_step
 from nomad_driver.watcher.scaling import DEFAULT_STEP_INTERVAL_S, Desired, ScaleInputs, decide
@@ -163,6 +163,8 @@ class Decision:
     desired_reason: str = "min"
     desired_detail: str = ""
     recommendation: int = 0
+    # A partial failure (partial.py), for the watcher to name with the engine's own words.
+    degraded: Degraded | None = None
 
 
 def job_group(job: Mapping[str, Any] | None) -> tuple[str, int]:
@@ -579,10 +581,11 @@ def reconcile(view: ModelView, max_start_failures: int = DEFAULT_MAX_START_FAILU
     forced = spent
     if failures.serving:
         forced = tuple(a for a in spent if _newest_start_of(view, a) <= state.retried_through_ns)
+    degraded = Degraded(tuple(slots), tuple(a for a in spent if a not in forced)) if slots else None
     state = state.model_copy(
         update={
             "nomad_gave_up": gave_up_reason(forced),
-            "degraded": degraded_text(m.name, slots, [a for a in spent if a not in forced]),
+            "degraded": degraded.text(m.name) if degraded else "",
         }
     )
     if forced:
@@ -623,6 +626,7 @@ def reconcile(view: ModelView, max_start_failures: int = DEFAULT_MAX_START_FAILU
         desired_reason=wanted.reason,
         desired_detail=wanted.detail,
         recommendation=wanted.recommendation,
+        degraded=degraded,
     )
 
 
