@@ -10,8 +10,9 @@ never shows in a request's latency:
   they are on and its latest ask (`{"router", "at", "interval_s", "models": {model:
   {"requests", "replicas", "asked"}}}`). Rewritten every interval while any request is open,
   and once more when the last one ends; at once for an ask (a request with no ready replica,
-  which the leading watcher answers), and soon after a model's requests double (a burst the
-  watcher's load rule answers at once);
+  which the leading watcher answers), for the first request on a model with none open here
+  (so the watcher never takes a replica that just got a request for idle), and soon after a
+  model's requests double (a burst the watcher's load rule answers at once);
   a router that stops refreshing it (a crash) is ignored once `at` is three intervals old.
   One key per router, not per request or per model, so it costs the same however busy the
   router is; the watcher sums it over routers (see docs/design.md).
@@ -92,7 +93,10 @@ class ActivityRecorder:
         on_model = self._open.setdefault(model, {})
         on_model[replica] = on_model.get(replica, 0) + 1
         total = sum(on_model.values())
-        if total >= 2 and total >= 2 * self._published.get(model, 0):
+        # The first request on a model with none published, or twice as many as published (a
+        # burst): written at once. Unknown until the next interval, a request that began just
+        # after a write could see its replica scaled away as idle.
+        if total >= 2 * self._published.get(model, 0):
             self._wake.set()
 
     def end(self, model: str, replica: str, *, demand: bool = True) -> None:

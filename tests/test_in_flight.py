@@ -4,6 +4,7 @@ end of the last request, plus a grace of the routers' interval)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from typing import Any
@@ -161,3 +162,34 @@ def test_a_routers_ask_is_published_with_its_waiting_request_and_read_by_the_wat
     # A value that is not a time is no ask.
     bad = parse_inflight(json.dumps({**value, "models": {"lazy": {"requests": 1, "asked": "soon"}}}))
     assert bad is not None and bad.asked == {}
+
+
+async def test_the_first_request_after_a_quiet_spell_is_published_at_once(consul_url: str) -> None:
+    """A request that begins between two of the router's periodic writes would be unknown to
+    the watcher until the next one, up to an interval later: long enough for an idle
+    scale-down to stop the replica it is on. The first request on an idle model is written at
+    once (within the prompt gap), not at the next interval."""
+    consul = Consul(consul_url)
+
+    async def write(key: str, value: str) -> None:
+        await consul.kv_put(key, value)
+
+    recorder = ActivityRecorder(write, 30.0, router_id="router-quiet")
+    recorder.start()
+    try:
+        await asyncio.sleep(0.3)  # the first write at start is done; now quiet
+        recorder.begin("lazy", "replica-1")
+        deadline = time.monotonic() + 3.0
+        published: dict[str, Any] = {}
+        while time.monotonic() < deadline:
+            _, entries = await consul.kv_get(inflight_key("router-quiet"))
+            published = json.loads(entries[0].value)["models"] if entries else {}
+            if published:
+                break
+            await asyncio.sleep(0.05)
+        assert published.get("lazy", {}).get("requests") == 1, "not published within 3 s of a 30 s interval"
+    finally:
+        recorder.end("lazy", "replica-1")
+        await recorder.stop()
+        await consul.kv_delete(inflight_key("router-quiet"))
+        await consul.close()

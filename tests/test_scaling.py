@@ -213,3 +213,24 @@ def test_desired_stays_within_limits_and_keeps_busy_replicas(
         assert d.count >= min(max(lo, 1), hi) or d.count == count
     if d.reason not in ("idle", "step") and lo <= count:
         assert d.count >= lo
+
+
+def test_the_busy_floor_keeps_every_known_busy_replica_when_one_is_unknown() -> None:
+    """Nomad stops the highest allocation index first, so a busy `[3]` needs a count of 4. A
+    busy replica the routers name that Nomad's allocations do not show (yet) must not lower
+    that floor to what the requests alone need: it holds the current count instead."""
+    from nomad_driver.watcher.replicas import busy_floor_of
+
+    def alloc(aid: str, index: int) -> dict[str, object]:
+        return {"ID": aid, "Name": f"llmgw-m.engine[{index}]"}
+
+    a3 = "00000000-0000-4000-8000-000000000003"
+    unknown = "00000000-0000-4000-8000-00000000000f"
+    allocs = {a3: alloc(a3, 3)}
+    replicas = {
+        f"_nomad-task-{a3}-engine-llmgw-engine-http",
+        f"_nomad-task-{unknown}-engine-llmgw-engine-http",
+    }
+    assert busy_floor_of({f"_nomad-task-{a3}-engine-llmgw-engine-http"}, allocs, 1, 4, count=5) == 4
+    assert busy_floor_of(replicas, allocs, 2, 4, count=5) == 5
+    assert busy_floor_of(set(), allocs, 0, 4, count=5) == 0

@@ -60,12 +60,11 @@ from nomad_driver.watcher.reconcile import (
     retried,
 )
 from nomad_driver.watcher.replicas import (
-    alloc_index,
+    busy_floor_of,
     list_replicas,
     node_fabrics,
-    replica_alloc_id,
 )
-from nomad_driver.watcher.scaling import DEFAULT_STEP_INTERVAL_S, DEFAULT_UP_WINDOW_S, LoadHistory, busy_floor
+from nomad_driver.watcher.scaling import DEFAULT_STEP_INTERVAL_S, DEFAULT_UP_WINDOW_S, LoadHistory
 from nomad_driver.watcher.sightings import StartSightings
 from nomad_driver.watcher.watch import (
     JobCache,
@@ -83,23 +82,6 @@ log = logging.getLogger("llmgw.watcher")
 # A retry whose check-and-set loses reads the key again: only a writer outside llmgw racing it
 # three times running is told to try again.
 RETRY_WRITE_ATTEMPTS = 3
-
-
-def _busy_floor(
-    replicas: set[str], allocs_by_id: Mapping[str, Mapping[str, Any]], requests: int, target: int
-) -> int:
-    """The count below which Nomad would stop a replica with requests in flight: Nomad stops
-    the highest allocation index first, so it is one past the highest busy index. A replica
-    the routers name that is not in Nomad's allocations (yet) leaves the rule to the requests:
-    never below what they need at the target."""
-    indexes = []
-    for replica in replicas:
-        alloc = allocs_by_id.get(replica_alloc_id(replica) or "")
-        index = alloc_index(alloc) if alloc is not None else None
-        if index is None:
-            return max(len(replicas), -(-requests // max(1, target)))
-        indexes.append(index)
-    return busy_floor(indexes)
 
 
 class NotLeader(Exception):
@@ -437,7 +419,9 @@ class Watcher:
                 busy_replicas=len(busy.get(name, ())),
                 in_flight_average=load.average,
                 load_held=load.held,
-                busy_floor=_busy_floor(busy.get(name, set()), allocs_by_id, requests, model.target_in_flight),
+                busy_floor=busy_floor_of(
+                    busy.get(name, set()), allocs_by_id, requests, model.target_in_flight, count=count
+                ),
                 since_step_s=now - stepped[1],
                 step_interval_s=self.config.scale_step_interval_s,
                 asked_at=asked.get(name),

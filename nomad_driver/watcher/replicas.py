@@ -11,6 +11,7 @@ from typing import Any
 from nomad_driver.node_meta import FABRIC_KEY
 from nomad_driver.watcher.reconcile import ModelView
 from nomad_driver.watcher.replica_starts import is_shard
+from nomad_driver.watcher.scaling import busy_floor
 
 _ALLOC_ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 
@@ -195,3 +196,31 @@ def list_replicas(
         )
     out.sort(key=lambda r: (r["model"], r["node"], r["alloc_id"]))
     return out, seen
+
+
+def busy_floor_of(
+    replicas: set[str],
+    allocs_by_id: Mapping[str, Mapping[str, Any]],
+    requests: int,
+    target: int,
+    *,
+    count: int,
+) -> int:
+    """The count below which Nomad would stop a replica with requests in flight: Nomad stops
+    the highest allocation index first, so it is one past the highest busy index. A busy
+    replica the routers name that is not in Nomad's allocations (yet) has an index nobody
+    knows: the current `count` is held until Nomad shows it, and never less than the known
+    busy ones and what the requests need at the target."""
+    indexes = []
+    unknown = False
+    for replica in replicas:
+        alloc = allocs_by_id.get(replica_alloc_id(replica) or "")
+        index = alloc_index(alloc) if alloc is not None else None
+        if index is None:
+            unknown = True
+        else:
+            indexes.append(index)
+    floor = busy_floor(indexes)
+    if unknown:
+        floor = max(floor, count, len(replicas), -(-requests // max(1, target)))
+    return floor
