@@ -17,25 +17,33 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 from prometheus_client import CONTENT_TYPE_LATEST, Gauge, generate_latest
-from yarl import URL
 
 from nomad_driver.certs import register_cert_collector
-from nomad_driver.safeload import LoadError, json_loads
 from router import errors
 from router import status as views
 from router.activation import Activator
 from router.activity import WAITING, ActivityRecorder
-from router.assemble import USAGE_COUNTED, AssemblyFailed, assemble, needs_stream, streamed_body
-from router.client import BODY, FIRST_BYTE, STOPPED_READING, STREAM, UPSTREAM, ClientConnection, ClientLeft
+from router.client import STOPPED_READING, ClientConnection, ClientLeft
 from router.config import RouterConfig
-from router.discovery import Discovery, Replica, Snapshot
+from router.discovery import Discovery, Snapshot
 from router.errors import RouterError
-from router.http import ClientGone, parse_request, read_body, read_headers, send_bytes, send_error, send_json
+from router.forwarding import PROXY_PATHS, Forwarder
+from router.forwarding import send_error as send_router_error
+from router.http import (
+    ClientGone,
+    parse_request_off_loop,
+    read_body,
+    read_headers,
+    send_bytes,
+    send_error,
+    send_json,
+)
 from router.metrics import UNKNOWN_MODEL, DiscoveryCollector, RouterMetrics
-from router.proxy import ConnectFailed, StreamBroken, Upstream, UpstreamTimeout, relay_body, response_headers
-from router.routing import Balancer, prefix_hashes, prompt_text, session_hash
+from router.outliers import Outliers
+from router.proxy import StreamBroken
+from router.routing import Balancer
+from router.upstream import Upstream
 
 log = logging.getLogger("llmgw.router")
 
@@ -43,11 +51,6 @@ Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
-# Paths proxied to a replica, and whether their prompt is worth routing on.
-PROXY_PATHS = {"/v1/chat/completions": True, "/v1/completions": True, "/v1/embeddings": False}
-# A replica refusing connections is tried at most this many times per request, each a different
-# replica; past that the fleet has a wider problem than one dead replica.
-MAX_CONNECT_ATTEMPTS = 3
 CLIENT_CLOSED = 499
 # The head of a stream that starts before its replica is ready (keepalive comments first).
 SSE_HEADERS = (
@@ -73,13 +76,23 @@ class RouterApp:
         # The serving certificate beside the Nomad and Consul ones: an expired one fails every
         # client's handshake, so it is watched like the others (read from disk at each scrape).
         register_cert_collector(self.metrics.registry, extra=[config.tls_cert] if config.tls_cert else [])
+        outliers = Outliers(
+            consecutive=config.outlier_consecutive,
+            base_s=config.outlier_base_s,
+            max_s=config.outlier_max_s,
+            connect_s=config.eject_s,
+            on_eject=self._ejected,
+        )
         self.balancer = Balancer(
-            slack=config.affinity_slack, balance_factor=config.balance_factor, policy=config.policy
+            slack=config.affinity_slack,
+            balance_factor=config.balance_factor,
+            policy=config.policy,
+            outliers=outliers,
         )
         self.discovery = Discovery(
             config.consul, models_file=config.models_file, on_change=self._snapshot_changed
         )
-        self.upstream = Upstream(config.timeouts)
+        self.upstream = Upstream(config.timeouts, config.limits)
         self.activation = activation
         self.activity = ActivityRecorder(self.discovery.put_kv, config.activity_interval_s)
         # The router asks; the leading watcher scales (the one writer of every job's count).
@@ -92,12 +105,17 @@ class RouterApp:
             config.retry_after_s,
             max_waiting=config.max_waiting,
         )
+        self.forwarder = Forwarder(
+            config, self.balancer, self.discovery, self.upstream, self.activity, self.metrics
+        )
         self._keys = tuple(k.encode() for k in config.api_keys)
-        self._urls: dict[tuple[str, int, str], URL] = {}
         self._seen_models: set[str] = set()
         self.metrics.add_collector(
             DiscoveryCollector(
-                self._replica_counts, self.discovery.watch_ages, lambda: self.discovery.consul_up
+                self._replica_counts,
+                self.discovery.watch_ages,
+                lambda: self.discovery.consul_up,
+                lambda: [(name, self.discovery.restarts[name]) for name in self.discovery.watches],
             )
         )
         held = self.upstream.held
@@ -159,6 +177,10 @@ class RouterApp:
                     self._check_method(scope, "GET")
                     self._authenticate(scope)
                     await send_json(send, 200, self.models_listing())
+                elif path.startswith("/v1/models/"):
+                    self._check_method(scope, "GET")
+                    self._authenticate(scope)
+                    await send_json(send, 200, self.model_entry(path[len("/v1/models/") :]))
                 elif path == "/healthz":
                     self._check_method(scope, "GET")
                     status, body = self.health()
@@ -250,7 +272,7 @@ class RouterApp:
             body = await read_body(
                 receive, self.config.limits.max_body_bytes, timeouts.body_read_s, timeouts.request_body_s
             )
-            request = parse_request(body)
+            request = await parse_request_off_loop(body)
             model = request["model"]
             client.watch()
             snapshot = self.discovery.snapshot
@@ -281,24 +303,18 @@ class RouterApp:
                     self.activity.end(model, WAITING, demand=served)
             outcome.label = model
             self.activity.touch(model)
-            outcome.status = await self._forward(client, path, model, body, request, session_header, arrived)
+            outcome.status = await self.forwarder.forward(
+                client, path, model, body, request, session_header, arrived
+            )
         except RouterError as err:
             outcome.status = err.status
-            await self._send_error(client, err)
+            await send_router_error(client, err)
         except ClientGone:
             outcome.status = CLIENT_CLOSED
         except StreamBroken:
             # Re-raised so that the server drops the connection mid-body (see _respond).
             outcome.status = 502
             raise
-
-    async def _send_error(self, client: ClientConnection, err: RouterError) -> None:
-        if not client.started:
-            await send_error(client.send, err)
-            return
-        # The stream's head went out while the request waited: the same answer as an event.
-        await client.send({"type": "http.response.body", "body": err.sse_frame(), "more_body": True})
-        await client.send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def _wait_streaming(
         self, client: ClientConnection, model: str, snapshot: Snapshot, arrived: float
@@ -348,246 +364,16 @@ class RouterApp:
             )
         await self.activator.activate(definition, arrived)
 
-    async def _forward(
-        self,
-        client: ClientConnection,
-        path: str,
-        model: str,
-        body: bytes,
-        request: dict[str, Any],
-        session_header: bytes | None,
-        arrived: float,
-    ) -> int:
-        balancer = self.balancer
-        definition = self.discovery.snapshot.models.get(model)
-        assembled = needs_stream(definition.profile.engine if definition else None, path, request)
-        if assembled:
-            body = streamed_body(request)
-        tried: list[str] = []
-        prefix: list[int] | None = None
-        session: int | None = None
-        failure = ""
-        for _ in range(MAX_CONNECT_ATTEMPTS):
-            snapshot = self.discovery.snapshot
-            ready = snapshot.ready.get(model, ())
-            now = time.monotonic()
-            if len(ready) == 1 and not tried and not balancer.ejected(now):
-                # One replica, no choice to make: skip hashing the prompt.
-                replica_id: str | None = ready[0].id
-            else:
-                if prefix is None:
-                    prefix, session = self._routing_keys(path, request, session_header)
-                replica_id = balancer.choose(
-                    model, [r.id for r in ready], prefix=prefix, session=session, exclude=tried, now=now
-                )
-            if replica_id is None:
-                break
-            replica = snapshot.by_id[replica_id]
-            balancer.acquire(replica_id)
-            self.activity.begin(model, replica_id)
-            try:
-                client.phase = UPSTREAM
-                try:
-                    resp = await self.upstream.open(self._url(replica, path), body)
-                except ConnectFailed as exc:
-                    tried.append(replica_id)
-                    failure = f"{replica_id} at {replica.host}:{replica.port}: {exc}"
-                    self._replica_failed(replica, "connect", failure)
-                    continue
-                except UpstreamTimeout as exc:
-                    raise RouterError(
-                        504,
-                        "upstream_timeout",
-                        f"replica {replica_id} of model '{model}' accepted the request but {exc}",
-                        type_="server_error",
-                    ) from exc
-                try:
-                    if assembled and resp.status == 200 and resp.content_type == "text/event-stream":
-                        return await self._assemble(resp, client, replica, arrived, path)
-                    return await self._respond(resp, client, replica, arrived)
-                except BaseException:
-                    # Closing, not releasing: the engine sees its connection go and stops
-                    # generating (a client that left, a stream that broke).
-                    resp.close()
-                    raise
-                finally:
-                    resp.release()
-            finally:
-                balancer.release(replica_id)
-                self.activity.end(model, replica_id)
-        raise RouterError(
-            502,
-            "upstream_unavailable",
-            f"no replica of model '{model}' accepted the request"
-            + (f" ({len(tried)} tried; last: {failure})" if tried else " (none is ready)")
-            + "; retry shortly",
-            type_="server_error",
-            headers=((b"retry-after", b"1"),),
-        )
-
-    async def _respond(self, resp: Any, client: ClientConnection, replica: Replica, arrived: float) -> int:
-        model = replica.model
-        if client.started:
-            return await self._respond_in_stream(resp, client, replica, arrived)
-        headers = response_headers(resp, ((b"x-llmgw-replica", replica.id.encode()),))
-        if resp.content_length is not None:
-            client.phase = BODY
-            try:
-                payload = await resp.read()
-            except (aiohttp.ClientError, TimeoutError) as exc:
-                # Nothing has gone to the client yet, so it gets a proper error answer.
-                self._replica_failed(replica, "stream", f"{replica.id}: {exc!r}")
-                raise RouterError(
-                    502,
-                    "upstream_failed",
-                    f"replica {replica.id} of model '{model}' failed while answering "
-                    f"({type(exc).__name__}); retry",
-                    type_="server_error",
-                ) from exc
-            if resp.status >= 400:
-                # An engine's error quotes what it was given: a source, a token, a header.
-                payload = errors.redacted(payload)
-            headers.append((b"content-length", str(len(payload)).encode()))
-            await client.send({"type": "http.response.start", "status": resp.status, "headers": headers})
-            self.metrics.observe_ttfb(model, time.monotonic() - arrived)
-            await client.send({"type": "http.response.body", "body": payload, "more_body": False})
-            return int(resp.status)
-
-        await client.send({"type": "http.response.start", "status": resp.status, "headers": headers})
-        return await self._relay(resp, client, replica, arrived)
-
-    async def _assemble(
-        self, resp: Any, client: ClientConnection, replica: Replica, arrived: float, path: str
-    ) -> int:
-        """A non-streamed answer read from the stream the router asked for (router/assemble.py):
-        a client that leaves meanwhile closes the stream, and the engine stops."""
-        client.phase = BODY
-        try:
-            status, payload, counted = await assemble(
-                resp,
-                chat=path == "/v1/chat/completions",
-                between_chunks_s=self.config.timeouts.between_chunks_s,
-            )
-        except (StreamBroken, AssemblyFailed) as exc:
-            self._replica_failed(replica, "stream", f"{replica.id}: {exc}")
-            if isinstance(exc, AssemblyFailed):
-                raise exc.error(replica.id, replica.model) from exc
-            raise RouterError(
-                502,
-                "upstream_failed",
-                f"replica {replica.id} of model '{replica.model}' failed while answering: {exc}; retry",
-                type_="server_error",
-            ) from exc
-        headers = [
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(payload)).encode()),
-            (b"x-llmgw-replica", replica.id.encode()),
-        ]
-        if counted:
-            headers.append(USAGE_COUNTED)
-        await client.send({"type": "http.response.start", "status": status, "headers": headers})
-        self.metrics.observe_ttfb(replica.model, time.monotonic() - arrived)
-        await client.send({"type": "http.response.body", "body": payload, "more_body": False})
-        return status
-
-    async def _relay(self, resp: Any, client: ClientConnection, replica: Replica, arrived: float) -> int:
-        model = replica.model
-        client.phase = FIRST_BYTE
-
-        def first_byte() -> None:
-            client.phase = STREAM
-            self.metrics.observe_ttfb(model, time.monotonic() - arrived)
-
-        try:
-            await relay_body(
-                resp,
-                client.send,
-                between_chunks_s=self.config.timeouts.between_chunks_s,
-                on_first_byte=first_byte,
-                on_done=client.mark_answered,
-                held=self.upstream.held,
-            )
-        except StreamBroken as exc:
-            resp.close()
-            self._replica_failed(replica, "stream", f"{replica.id}: {exc}")
-            if resp.content_type != "text/event-stream":
-                # No way to say "error" inside a plain body: drop the connection, so the
-                # client sees a truncated answer rather than a complete-looking wrong one.
-                raise
-            err = RouterError(
-                502,
-                "upstream_failed",
-                f"replica {replica.id} of model '{model}' failed mid-stream: {exc}; retry the request",
-                type_="server_error",
-            )
-            await self._send_error(client, err)
-            return 502
-        return int(resp.status)
-
-    async def _respond_in_stream(
-        self, resp: Any, client: ClientConnection, replica: Replica, arrived: float
-    ) -> int:
-        """The replica's answer for a stream that already started with keepalives: its events
-        as they come, or its refusal (a 400 for a bad request, say) as one error event."""
-        if resp.status == 200 and resp.content_type == "text/event-stream":
-            return await self._relay(resp, client, replica, arrived)
-        client.phase = BODY
-        try:
-            payload = await resp.content.read(64 * 1024)
-        except aiohttp.ClientError:
-            payload = b""
-        message = payload.decode("utf-8", "replace").strip() or f"HTTP {resp.status}"
-        err = RouterError(
-            resp.status if resp.status >= 400 else 502,
-            "upstream_error",
-            f"replica {replica.id} of model '{replica.model}' answered {resp.status}: {message[:2000]}",
-            type_="server_error" if resp.status >= 500 else "invalid_request_error",
-        )
-        try:
-            upstream = json_loads(payload, f"the answer of replica {replica.id}")
-        except LoadError:
-            upstream = None
-        if isinstance(upstream, dict) and isinstance(upstream.get("error"), dict):
-            # The engine's own error object, passed on as the SDK would have seen it.
-            frame = errors.engine_error_frame(upstream["error"])
-            await client.send({"type": "http.response.body", "body": frame, "more_body": True})
-            await client.send({"type": "http.response.body", "body": b"", "more_body": False})
-        else:
-            await self._send_error(client, err)
-        return int(resp.status)
-
-    def _routing_keys(
-        self, path: str, request: dict[str, Any], session_header: bytes | None
-    ) -> tuple[list[int], int | None]:
-        session: int | None = None
-        if session_header:
-            session = session_hash(session_header.decode("latin-1"))
-        else:
-            user = request.get("user")
-            if isinstance(user, str) and user:
-                session = session_hash(user)
-        prefix = prefix_hashes(prompt_text(request)) if PROXY_PATHS[path] else []
-        return prefix, session
-
-    def _url(self, replica: Replica, path: str) -> URL:
-        key = (replica.host, replica.port, path)
-        url = self._urls.get(key)
-        if url is None:
-            url = self._urls[key] = URL(replica.base_url + path)
-        return url
-
-    def _replica_failed(self, replica: Replica, phase: str, detail: str) -> None:
-        self.metrics.upstream_failures.labels(replica.model, phase).inc()
-        self.balancer.eject(replica.id, time.monotonic() + self.config.eject_s)
-        log.warning("replica %s of %s failed (%s): %s", replica.id, replica.model, phase, detail)
-
     def _snapshot_changed(self, before: Snapshot, after: Snapshot) -> None:
         # Called at every change of Consul's: set differences, not a walk over the fleet.
-        for replica_id in before.by_id.keys() - after.by_id.keys() if before.by_id is not after.by_id else ():
-            replica = before.by_id[replica_id]
-            self.balancer.forget(replica.model, replica_id)
-            for path in PROXY_PATHS:
-                self._urls.pop((replica.host, replica.port, path), None)
+        if before.by_key is not after.by_key:
+            for key in before.by_key.keys() - after.by_key.keys():
+                self.forwarder.forget(before.by_key[key])
+        if before.replicas is not after.replicas:
+            for model in before.replicas.keys() | after.replicas.keys():
+                count = len(after.replicas.get(model, ()))
+                if count != len(before.replicas.get(model, ())):
+                    self.balancer.fleet_size(model, count)
         if before.models is after.models:
             return
         for model in after.models.keys() - self._seen_models:
@@ -599,8 +385,26 @@ class RouterApp:
     def models_listing(self) -> dict[str, Any]:
         return views.models_listing(self.discovery.snapshot, self.activator.in_flight)
 
+    def model_entry(self, model: str) -> dict[str, Any]:
+        snapshot = self.discovery.snapshot
+        if model not in snapshot.known_models():
+            raise errors.model_not_found(model, snapshot.known_models())
+        return views.model_entry(model, snapshot, self.activator.in_flight(model))
+
     def health(self) -> tuple[int, dict[str, Any]]:
         return views.health(self.discovery, self.config.consul.addr)
+
+    def _ejected(self, key: Any, reason: str, seconds: float) -> None:
+        replica = self.discovery.snapshot.by_key.get(key)
+        model = replica.model if replica is not None else UNKNOWN_MODEL
+        self.metrics.ejections.labels(model, reason).inc()
+        log.warning(
+            "event=replica_ejected model=%s replica=%s reason=%s for_s=%g",
+            model,
+            replica.name if replica is not None else key,
+            reason,
+            seconds,
+        )
 
     def _replica_counts(self) -> list[tuple[str, str, int]]:
         return views.replica_counts(self.discovery.snapshot, self.balancer.ejected(time.monotonic()))

@@ -4,8 +4,8 @@ given the status of its checks from Consul's list of checks that are not passing
 Two reads instead of one `/v1/health/service` because a blocking read of one service's health
 wakes at every change of any of its checks and answers every instance again: at 5,000 instances
 one check turning critical cost the router 300 kB and a quarter of a second of CPU
-(bench/discovery_bench.py). The catalog's index moves only when instances come or go, and the
-list of checks not passing is as long as the trouble; a change of checks rebuilds only the
+(bench/discovery_bench.py). The catalog answers no checks (though Consul moves its index at a
+check's change too, so it wakes then), and the list of checks not passing is as long as the trouble; a change of checks rebuilds only the
 models whose instances it touched. An instance counts as passing when no check of its own and
 no check of its node is in that list, as Consul's `?passing` reads it.
 
@@ -31,13 +31,25 @@ Key = tuple[str, str]
 
 @dataclass(frozen=True, slots=True)
 class Replica:
-    id: str
+    id: str  # the ServiceID: unique on its node only
     model: str
     host: str
     port: int
     def_hash: str
     # passing | warning | critical, the worst of the instance's checks (node checks included).
     status: str
+    node: str = ""
+
+    @property
+    def key(self) -> Key:
+        # Consul lets two nodes register the same ServiceID (engines registered by hand), so the
+        # ID alone would let one model's requests reach the other's engine.
+        return (self.node, self.id)
+
+    @property
+    def name(self) -> str:
+        """How logs and answers name the replica: the ServiceID, with its node when it has one."""
+        return f"{self.id}@{self.node}" if self.node else self.id
 
     @property
     def ready(self) -> bool:
@@ -63,7 +75,7 @@ def parse_instances(entries: Iterable[Any]) -> dict[Key, Replica]:
             log.warning("skipping malformed llmgw-engine entry %.200r: %s", entry, exc)
             continue
         if replica is not None:
-            out[(str(entry.get("Node") or ""), replica.id)] = replica
+            out[replica.key] = replica
     return out
 
 
@@ -93,6 +105,7 @@ def _instance(entry: Mapping[str, Any]) -> Replica | None:
         port=port,
         def_hash=str(meta.get("def_hash") or ""),
         status="passing",
+        node=str(entry.get("Node") or ""),
     )
 
 
@@ -145,7 +158,7 @@ def status_of(key: Key, not_passing: Mapping[Key, str]) -> str:
 
 @dataclass
 class Fleet:
-    """Replicas by model, the ready ones by model and every one by ID, kept from the instances
+    """Replicas by model, the ready ones by model and every one by (node, ServiceID), kept from the instances
     and the checks not passing. Each change gives new mappings (a snapshot never changes once
     published), copied shallowly, with only the touched models rebuilt."""
 
@@ -153,7 +166,7 @@ class Fleet:
     not_passing: dict[Key, str] = field(default_factory=dict)
     replicas: dict[str, tuple[Replica, ...]] = field(default_factory=dict)
     ready: dict[str, tuple[Replica, ...]] = field(default_factory=dict)
-    by_id: dict[str, Replica] = field(default_factory=dict)
+    by_key: dict[Key, Replica] = field(default_factory=dict)
     _model_keys: dict[str, list[Key]] = field(default_factory=dict)
     _node_keys: dict[str, list[Key]] = field(default_factory=dict)
 
@@ -164,7 +177,7 @@ class Fleet:
         for key, replica in instances.items():
             self._model_keys.setdefault(replica.model, []).append(key)
             self._node_keys.setdefault(key[0], []).append(key)
-        self.replicas, self.ready, self.by_id = {}, {}, {}
+        self.replicas, self.ready, self.by_key = {}, {}, {}
         for model in self._model_keys:
             self._rebuild(model)
 
@@ -219,12 +232,12 @@ class Fleet:
             touched.update(self.instances[k].model for k in keys if k in self.instances)
         if not touched:
             return False
-        self.replicas, self.ready, self.by_id = dict(self.replicas), dict(self.ready), dict(self.by_id)
+        self.replicas, self.ready, self.by_key = dict(self.replicas), dict(self.ready), dict(self.by_key)
         for key in gone & self.instances.keys():
             replica = self.instances.pop(key)
             self._model_keys[replica.model].remove(key)
             self._node_keys[key[0]].remove(key)
-            self.by_id.pop(replica.id, None)
+            self.by_key.pop(key, None)
         for model in touched:
             self._rebuild(model)
         return True
@@ -240,7 +253,7 @@ class Fleet:
                 replace(self.instances[k], status=status_of(k, self.not_passing))
                 for k in self._model_keys[model]
             ),
-            key=lambda r: r.id,
+            key=lambda r: r.key,
         )
         self.replicas[model] = tuple(members)
         ready = tuple(r for r in members if r.ready)
@@ -249,4 +262,4 @@ class Fleet:
         else:
             self.ready.pop(model, None)
         for r in members:
-            self.by_id[r.id] = r
+            self.by_key[r.key] = r

@@ -54,6 +54,10 @@ class Timeouts:
     # and would hold its connection for ever. An 8 MiB body needs 140 KB/s to make it; a chat
     # request is one packet.
     request_body_s: float = 60.0
+    # The most a request waits for room on a replica (every ready one at `max_per_replica`)
+    # before it is answered 503 `replicas_busy`; Envoy answers at once, which turns a burst of a
+    # second into errors, and an unbounded wait (the old 1,024-connection pool) answered nothing.
+    pool_wait_s: float = 10.0
     # One write to a client: a client that stops reading for this long is dropped and its
     # replica's request cancelled. Until then the stream is read ahead of it (router/proxy.py),
     # so the engine is not held waiting, but it does generate for the stalled client until the
@@ -69,6 +73,11 @@ class Limits:
     # Request line and headers together, enforced while they arrive (see router/server.py).
     max_header_bytes: int = 64 * 1024
     max_headers: int = 100
+    # Requests in flight to one replica, and so its upstream connections: an engine serves a
+    # handful at once and queues the rest, so past this the queue is better held here, bounded
+    # (`Timeouts.pool_wait_s`), where it can move to another replica or be refused plainly.
+    # Per replica, so one busy model never holds a connection another model needs.
+    max_per_replica: int = 256
     # Open client connections; past it, for each new one, the one idle or sending its body
     # slowly the longest is closed (router/server.py). 0 means
     # "from the file descriptor limit": each proxied request also holds one upstream socket.
@@ -124,6 +133,11 @@ class RouterConfig:
     # A replica that refused a connection or died mid-stream gets no new requests for this
     # long, bridging the second or two until its Consul check turns critical.
     eject_s: float = 5.0
+    # Outlier ejection (router/outliers.py): this many 5xx or timeouts in a row take a replica
+    # out for `outlier_base_s` times its ejections so far, at most `outlier_max_s`.
+    outlier_consecutive: int = 5
+    outlier_base_s: float = 30.0
+    outlier_max_s: float = 300.0
     retry_after_s: int = 10
     # Requests that may wait for one model's replica at once (a cold start under load); past
     # it the answer is 429 `model_overloaded`. Env LLMGW_ROUTER_MAX_WAITING.

@@ -17,12 +17,13 @@ import contextlib
 import json
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from nomad_driver.blocking import Watch
+from nomad_driver.blocking import Watch, backoff_delay
 from nomad_driver.consul import Consul, ConsulError, ConsulUnavailable, KVEntry
 from nomad_driver.spec import Model, SpecError, decode_models_text, parse_models, problem_line
 from nomad_driver.state import CONFIG_MODELS_KEY, STATE_PREFIX, MalformedState, ModelState, parse_state
@@ -40,7 +41,7 @@ CONFIRM_FILTER_MAX = 50
 
 # `ConsulUnavailable` is the shared client's; router modules name it from here, beside the
 # snapshot it guards.
-__all__ = ["ConsulUnavailable", "Discovery", "Replica", "Snapshot", "parse_states"]
+__all__ = ["ConsulUnavailable", "Discovery", "Key", "Replica", "Snapshot", "parse_states"]
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,7 @@ class ChecksReading:
 class Snapshot:
     replicas: Mapping[str, tuple[Replica, ...]] = field(default_factory=dict)
     ready: Mapping[str, tuple[Replica, ...]] = field(default_factory=dict)
-    by_id: Mapping[str, Replica] = field(default_factory=dict)
+    by_key: Mapping[Key, Replica] = field(default_factory=dict)
     states: Mapping[str, ModelState] = field(default_factory=dict)
     models: Mapping[str, Model] = field(default_factory=dict)
     # Where the definitions came from, and why the latest text was not used if it was bad.
@@ -137,13 +138,41 @@ class Discovery:
         self._on_change = on_change
         self._waiters: dict[str, asyncio.Event] = {}
         self._tasks: list[asyncio.Task[None]] = []
+        # Times each watch died and was started again (llmgw_router_watch_restarts_total).
+        self.restarts: Counter[str] = Counter()
         self._file_models: tuple[Mapping[str, Model], str, str] | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
 
     async def start(self) -> None:
         for watch in self.watches.values():
-            self._tasks.append(asyncio.create_task(watch.run()))
+            self._tasks.append(asyncio.create_task(self._supervise(watch)))
+
+    async def _supervise(self, watch: Watch[Any]) -> None:
+        """Run a watch for ever. A watch survives Consul's failures on its own; what ends it is
+        a bug in applying an answer, and a watch that ended silently froze its part of the
+        snapshot while /healthz said ok. So it is logged, shown down, and started again (from
+        index 0, so it reads everything afresh)."""
+        deaths = 0
+        while True:
+            try:
+                await watch.run()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                deaths += 1
+                self.restarts[watch.name] += 1
+                watch.ok = False
+                watch.error = f"the watch died and is restarting: {type(exc).__name__}: {exc}"
+                log.error(
+                    "event=watch_died watch=%s restarts=%d error=%r (serving from the last snapshot)",
+                    watch.name,
+                    deaths,
+                    f"{type(exc).__name__}: {exc}",
+                    exc_info=exc,
+                )
+                # At least a second: long enough to be seen in /healthz, short enough to matter little.
+                await asyncio.sleep(1.0 + backoff_delay(deaths))
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -202,7 +231,7 @@ class Discovery:
     # -- the loops: one blocking read each (nomad_driver.blocking.Watch runs them) ------------
 
     async def _fetch_instances(self, index: int) -> tuple[int, InstancesReading]:
-        # The catalog's index moves when instances come or go, not when a check changes.
+        # Consul moves this index when instances come or go, and at a change of their checks too.
         new_index, entries = await self.consul.read_list(
             f"/v1/catalog/service/{self.settings.service}", index=index, wait_s=self.settings.wait_s
         )
@@ -262,9 +291,14 @@ class Discovery:
         if self.replica_watch.snapshot is None:
             return
         reading = self.replica_watch.snapshot.data
-        # Read after the instances, so at least as new as any the checks watch has shown.
-        self._checks_index = reading.checks_index
-        self.fleet.set_instances(parse_instances(reading.entries), parse_not_passing(reading.checks))
+        if reading.checks_index >= self._checks_index:
+            self._checks_index = reading.checks_index
+            not_passing = parse_not_passing(reading.checks)
+        else:
+            # The checks watch has shown newer checks since these were read: an older reading
+            # must not put back in rotation an instance that has since failed.
+            not_passing = dict(self.fleet.not_passing)
+        self.fleet.set_instances(parse_instances(reading.entries), not_passing)
         self._publish_fleet()
 
     def _apply_checks(self) -> None:
@@ -281,7 +315,7 @@ class Discovery:
 
     def _publish_fleet(self) -> None:
         fleet = self.fleet
-        self._publish(replace(self.snapshot, replicas=fleet.replicas, ready=fleet.ready, by_id=fleet.by_id))
+        self._publish(replace(self.snapshot, replicas=fleet.replicas, ready=fleet.ready, by_key=fleet.by_key))
 
     def _publish(self, snapshot: Snapshot) -> None:
         before, self.snapshot = self.snapshot, snapshot

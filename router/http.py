@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 from collections.abc import Awaitable, Callable, MutableMapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from nomad_driver.safeload import LoadError, json_loads
@@ -17,6 +19,14 @@ Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
 JSON = (b"content-type", b"application/json")
+# Bodies past this are parsed on a worker thread. The bounded reader takes about 0.6 s on a
+# max-size body of token IDs, and on the event loop every other client waited that long. Its
+# number hooks are Python calls, so the parsing thread hands the interpreter back to the loop
+# every few milliseconds (sys.getswitchinterval). A chat request is a few KiB and stays inline.
+OFF_LOOP_BYTES = 256 * 1024
+# Two at once: more would only share the same interpreter lock, and the queue behind them is
+# bounded by the connection cap and the body limit.
+_parsers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="llmgw-parse")
 
 
 class ClientGone(Exception):
@@ -81,6 +91,31 @@ async def read_body(receive: Receive, limit: int, timeout_s: float = 30.0, total
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
+# While a parse runs on a worker, the interpreter changes threads every millisecond instead of
+# every five: a small request needs the loop several times (read, send upstream, relay), and at
+# five milliseconds a wait each a concurrent parse still added tens of milliseconds to it.
+PARSING_SWITCH_INTERVAL_S = 0.001
+_parsing = 0
+_switch_interval_s = sys.getswitchinterval()
+
+
+async def parse_request_off_loop(body: bytes) -> dict[str, Any]:
+    """`parse_request`, on a worker thread for a big body."""
+    global _parsing, _switch_interval_s
+    if len(body) < OFF_LOOP_BYTES:
+        return parse_request(body)
+    if _parsing == 0:
+        _switch_interval_s = sys.getswitchinterval()
+        sys.setswitchinterval(min(_switch_interval_s, PARSING_SWITCH_INTERVAL_S))
+    _parsing += 1
+    try:
+        return await asyncio.get_running_loop().run_in_executor(_parsers, parse_request, body)
+    finally:
+        _parsing -= 1
+        if _parsing == 0:
+            sys.setswitchinterval(_switch_interval_s)
+
+
 def parse_request(body: bytes) -> dict[str, Any]:
     if not body:
         raise errors.bad_request("the request body is empty; expected a JSON object with a 'model' field")
@@ -121,9 +156,13 @@ def body_timeout(detail: str, total_s: float | None = None) -> RouterError:
 
 
 def too_large(size: int, limit: int) -> RouterError:
-    return errors.bad_request(
+    # 413, which says what 400 does not: the body, not its content, is the problem. The SDKs do
+    # not retry a 413; the header says so to any client that would.
+    return RouterError(
+        413,
+        "request_too_large",
         f"the request body is {size} bytes; the router accepts at most {limit} bytes",
-        code="request_too_large",
+        headers=errors.NO_RETRY,
     )
 
 

@@ -11,16 +11,17 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from router.client import EARLY_ENDS
+from router.outliers import REASONS as EJECTION_REASONS
 
 # Unknown model names come from clients; labelling them as given would let any client create
 # series without bound.
 UNKNOWN_MODEL = "_unknown"
 
-REFUSAL_REASONS = ("parked", "unplaceable", "overloaded", "removed")
+REFUSAL_REASONS = ("parked", "unplaceable", "overloaded", "removed", "busy")
 
 # From a stub's fraction of a millisecond to a long generation.
 DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -59,15 +60,25 @@ class RouterMetrics:
         self.refusals = Counter(
             "llmgw_router_refusals",
             "Requests refused instead of served, by reason: parked, unplaceable, overloaded (too "
-            "many already wait for the model), removed (its definition went away meanwhile).",
+            "many already wait for the model), removed (its definition went away meanwhile), busy "
+            "(every ready replica at its request limit past the pool wait).",
             ["model", "reason"],
             registry=self.registry,
         )
         self.upstream_failures = Counter(
             "llmgw_router_upstream_failures",
             "Replica failures seen by the router, by phase: connect (retried elsewhere), "
-            "stream (ended the answer with an error).",
+            "closed (closed the connection after the request went out; not sent again), timeout "
+            "(no first byte in time), stream (ended the answer with an error).",
             ["model", "phase"],
+            registry=self.registry,
+        )
+        self.ejections = Counter(
+            "llmgw_router_ejections",
+            "Replicas this router took out of rotation, by reason: consecutive_5xx (5xx answers or "
+            "timeouts in a row; out for a back-off that grows with each ejection), connection "
+            "(refused or broken; out for a few seconds).",
+            ["model", "reason"],
             registry=self.registry,
         )
         self.early_ends = Counter(
@@ -116,6 +127,8 @@ class RouterMetrics:
             self.refusals.labels(model, reason)
         for kind in EARLY_ENDS:
             self.early_ends.labels(model, kind)
+        for why in EJECTION_REASONS:
+            self.ejections.labels(model, why)
         self.waiting.labels(model)
 
     def early_end(self, model: str, kind: str) -> None:
@@ -133,10 +146,12 @@ class DiscoveryCollector(Collector):
         replica_counts: Callable[[], Iterable[tuple[str, str, int]]],
         watch_ages: Callable[[], Iterable[tuple[str, float | None]]],
         consul_up: Callable[[], bool],
+        watch_restarts: Callable[[], Iterable[tuple[str, int]]] = lambda: (),
     ) -> None:
         self._replica_counts = replica_counts
         self._watch_ages = watch_ages
         self._consul_up = consul_up
+        self._watch_restarts = watch_restarts
 
     def describe(self) -> list[Metric]:
         return []
@@ -170,3 +185,13 @@ class DiscoveryCollector(Collector):
         )
         up.add_metric([], 1.0 if self._consul_up() else 0.0)
         yield up
+
+        restarts = CounterMetricFamily(
+            "llmgw_router_watch_restarts",
+            "Times a Consul watch died (an answer it could not apply) and was started again; "
+            "llmgw_router_consul_up is 0 until it reads again.",
+            labels=["watch"],
+        )
+        for watch, count in self._watch_restarts():
+            restarts.add_metric([watch], count)
+        yield restarts

@@ -1,10 +1,8 @@
-"""The upstream half of the request path: one aiohttp session with a keep-alive pool to every
-replica, and the relay that passes a replica's answer back to the client as it arrives.
+"""The relay that passes a replica's answer back to the client as it arrives (the connections
+themselves are router/upstream.py's).
 
-Failures are sorted by what the client has seen. Before the replica answered anything the
-request can go to another replica and the client never knows (`ConnectFailed`). Once a stream
-is flowing, the client gets the events that arrived whole and then one error event, so the SDK
-raises instead of waiting forever or parsing half an event.
+Once a stream is flowing and breaks, the client gets the events that arrived whole and then one
+error event, so the SDK raises instead of waiting forever or parsing half an event.
 """
 
 from __future__ import annotations
@@ -16,9 +14,6 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 import aiohttp
-from yarl import URL
-
-from router.config import Timeouts
 
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
@@ -37,7 +32,6 @@ HOP_HEADERS = frozenset(
         b"trailer",
     }
 )
-UPSTREAM_HEADERS = {"Content-Type": "application/json", "Accept-Encoding": "identity"}
 # The most of one server-sent event held back while waiting for its end; a chat chunk is a few
 # hundred bytes, one with logprobs a few KiB.
 MAX_EVENT_BYTES = 1024 * 1024
@@ -52,90 +46,12 @@ BACKLOG_BYTES = 4 * 1024 * 1024
 SEND_BYTES = 64 * 1024
 
 
-class ConnectFailed(Exception):
-    """Nothing came back from the replica: safe to try another one."""
-
-
-class UpstreamTimeout(Exception):
-    """The replica accepted the request but said nothing within the first-byte timeout."""
-
-
 class StreamBroken(Exception):
     """The replica's answer stopped part way; carries what the client should be told."""
 
 
 class EventTooLarge(Exception):
     """A server-sent event larger than the router holds whole."""
-
-
-class Upstream:
-    def __init__(self, timeouts: Timeouts) -> None:
-        self.timeouts = timeouts
-        self.held = Held()
-        self._session: aiohttp.ClientSession | None = None
-        # For the one retry after a kept-alive connection turned out closed: a new connection,
-        # since the pool may hold more that the engine closed at the same moment.
-        self._fresh: aiohttp.ClientSession | None = None
-        self._request_timeout = aiohttp.ClientTimeout(
-            total=None,
-            connect=None,
-            sock_connect=timeouts.connect_s,
-            # Governs every socket read: the response head, a whole non-streamed body, and a
-            # stream's first event; `between_chunks_s` tightens it once a stream flows.
-            sock_read=timeouts.first_byte_s,
-        )
-
-    async def start(self) -> None:
-        self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(
-                limit=1024,
-                limit_per_host=0,
-                # Engines keep idle connections for a while too (uvicorn: 5 s); closing ours
-                # first avoids writing a request into a socket the engine is closing.
-                keepalive_timeout=4.0,
-                ttl_dns_cache=300,
-            ),
-            timeout=self._request_timeout,
-            auto_decompress=False,
-            skip_auto_headers=("User-Agent",),
-        )
-        self._fresh = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, force_close=True),
-            timeout=self._request_timeout,
-            auto_decompress=False,
-            skip_auto_headers=("User-Agent",),
-        )
-
-    async def close(self) -> None:
-        for session in (self._session, self._fresh):
-            if session is not None:
-                await session.close()
-        self._session = self._fresh = None
-
-    async def open(self, url: URL, body: bytes) -> aiohttp.ClientResponse:
-        assert self._session is not None, "upstream session not started"
-        try:
-            try:
-                return await self._session.post(url, data=body, headers=UPSTREAM_HEADERS)
-            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
-                if isinstance(exc, aiohttp.ClientConnectorError):
-                    raise
-                # A kept-alive connection the engine closed while it sat in the pool (llama-server
-                # drops idle ones after its 5 s keep-alive and when its HTTP threads are all
-                # taken) disconnects, or refuses the body, before any answer: that says nothing
-                # about the replica, so it is tried once more on a new connection before the
-                # replica is counted as failed and ejected. A refused connect is the replica's
-                # own answer and is not retried here.
-                assert self._fresh is not None
-                return await self._fresh.post(url, data=body, headers=UPSTREAM_HEADERS)
-        except aiohttp.ConnectionTimeoutError as exc:
-            raise ConnectFailed(f"connect timed out after {self.timeouts.connect_s:g}s") from exc
-        except aiohttp.SocketTimeoutError as exc:
-            raise UpstreamTimeout(f"no answer within {self.timeouts.first_byte_s:g}s") from exc
-        except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
-            # A refused connection, or a kept-alive one the replica had already closed: the
-            # replica has not started on this request.
-            raise ConnectFailed(str(exc) or type(exc).__name__) from exc
 
 
 def response_headers(

@@ -11,21 +11,26 @@ above the least loaded one, or no more than `balance_factor` times the average; 
 cold cache elsewhere is faster than a queue here (SGLang's cache-aware policy makes the same
 trade).
 
-No I/O here: the app feeds in replica IDs and request text, and tests drive it directly.
+No I/O here: the app feeds in replica keys (node, ServiceID) and request text, and tests drive
+it directly.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Hashable, Mapping, Sequence
 from typing import Any
+
+from router.outliers import Outliers
 
 # 64 characters is about 16 tokens, vLLM's KV block; 256 blocks cover the first 16 KiB of a
 # prompt, past which a prefix is distinctive enough that more text adds cost, not precision.
 BLOCK_CHARS = 64
 MAX_BLOCKS = 256
-# Per model; ~100 bytes an entry, so about 6 MiB at the cap for a busy model.
+# Per model; ~100 bytes an entry, so about 6 MiB at the cap for a busy model. A model's table
+# holds TABLE_PER_REPLICA entries per replica up to the cap, and goes with its last replica.
 TABLE_CAPACITY = 65536
+TABLE_PER_REPLICA = 16384
 # Replicas remembered per key: enough to spread a popular system prompt over a small pool.
 HOLDERS = 4
 
@@ -86,12 +91,12 @@ class AffinityTable:
     def __init__(self, capacity: int = TABLE_CAPACITY, holders: int = HOLDERS) -> None:
         self.capacity = capacity
         self.holders = holders
-        self._where: OrderedDict[int, tuple[str, ...]] = OrderedDict()
+        self._where: OrderedDict[int, tuple[Hashable, ...]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._where)
 
-    def lookup(self, keys: Sequence[int], candidates: Collection[str]) -> tuple[list[str], int]:
+    def lookup(self, keys: Sequence[int], candidates: Collection[Hashable]) -> tuple[list[Hashable], int]:
         """The candidates holding the longest prefix (most recent first), and how many blocks."""
         where = self._where
         for depth in range(len(keys), 0, -1):
@@ -102,11 +107,11 @@ class AffinityTable:
                     return present, depth
         return [], 0
 
-    def get(self, key: int) -> str | None:
+    def get(self, key: int) -> Hashable | None:
         holders = self._where.get(key)
         return holders[0] if holders else None
 
-    def record(self, keys: Sequence[int], replica: str) -> None:
+    def record(self, keys: Sequence[int], replica: Hashable) -> None:
         where = self._where
         limit = self.holders
         for key in keys:
@@ -116,18 +121,16 @@ class AffinityTable:
             elif holders[0] != replica:
                 where[key] = (replica, *[r for r in holders if r != replica][: limit - 1])
             where.move_to_end(key)
+        self.trim()
+
+    def resize(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.trim()
+
+    def trim(self) -> None:
+        where = self._where
         while len(where) > self.capacity:
             where.popitem(last=False)
-
-    def forget(self, replica: str) -> None:
-        """Drop a replica that is gone, so its entries stop taking room."""
-        for key, holders in list(self._where.items()):
-            if replica in holders:
-                rest = tuple(r for r in holders if r != replica)
-                if rest:
-                    self._where[key] = rest
-                else:
-                    del self._where[key]
 
 
 def within_bound(load: int, loads: Sequence[int], slack: int, balance_factor: float) -> bool:
@@ -140,8 +143,12 @@ def within_bound(load: int, loads: Sequence[int], slack: int, balance_factor: fl
 
 
 class Balancer:
-    """Outstanding requests per replica, affinity tables per model, and short ejections of
-    replicas that just failed. Single-threaded: the event loop is its only caller."""
+    """Outstanding requests per replica, affinity tables per model, and the replicas ejected for
+    failing (router/outliers.py). Single-threaded: the event loop is its only caller.
+
+    A replica that goes away is not looked for in the tables: `lookup` only ever returns
+    candidates, so its entries are dead weight that the LRU pushes out, and forgetting it costs
+    nothing (walking a full table took 16 ms of the event loop per replica)."""
 
     def __init__(
         self,
@@ -150,14 +157,15 @@ class Balancer:
         balance_factor: float = 1.5,
         table_capacity: int = TABLE_CAPACITY,
         policy: str = "affinity",
+        outliers: Outliers | None = None,
     ) -> None:
         self.policy = policy
+        self.outliers = outliers or Outliers()
         self.slack = slack
         self.balance_factor = balance_factor
         self.table_capacity = table_capacity
-        self.outstanding: dict[str, int] = {}
+        self.outstanding: dict[Hashable, int] = {}
         self._tables: dict[str, AffinityTable] = {}
-        self._ejected: dict[str, float] = {}
         self._turn = 0
 
     def table(self, model: str) -> AffinityTable:
@@ -169,13 +177,13 @@ class Balancer:
     def choose(
         self,
         model: str,
-        replicas: Sequence[str],
+        replicas: Sequence[Hashable],
         *,
         prefix: Sequence[int] = (),
         session: int | None = None,
-        exclude: Collection[str] = (),
+        exclude: Collection[Hashable] = (),
         now: float = 0.0,
-    ) -> str | None:
+    ) -> Hashable | None:
         """Pick a replica of `model` for one request and remember the choice for its keys.
 
         `exclude` holds replicas this request already failed on. Ejected replicas are used only
@@ -184,11 +192,8 @@ class Balancer:
         candidates = [r for r in replicas if r not in exclude]
         if not candidates:
             return None
-        if self._ejected:
-            healthy = [r for r in candidates if self._ejected.get(r, 0.0) <= now]
-            if healthy:
-                candidates = healthy
-            self._expire(now)
+        if self.outliers.any_ejected():
+            candidates = self.outliers.in_rotation(candidates, now)
 
         if self.policy == "round-robin":
             self._turn += 1
@@ -198,7 +203,7 @@ class Balancer:
         if self.policy == "least-outstanding":
             return self._least_loaded(candidates, loads)
         table = self.table(model)
-        chosen: str | None = None
+        chosen: Hashable | None = None
         if session is not None:
             pinned = table.get(session)
             if (
@@ -229,7 +234,7 @@ class Balancer:
             table.record(prefix, chosen)
         return chosen
 
-    def _least_loaded(self, candidates: Sequence[str], loads: Sequence[int]) -> str:
+    def _least_loaded(self, candidates: Sequence[Hashable], loads: Sequence[int]) -> Hashable:
         least = min(loads)
         tied = [r for r, load in zip(candidates, loads, strict=True) if load == least]
         # Rotate among equals, so that new conversations on an idle fleet spread out instead
@@ -237,27 +242,31 @@ class Balancer:
         self._turn += 1
         return tied[self._turn % len(tied)]
 
-    def acquire(self, replica: str) -> None:
+    def acquire(self, replica: Hashable) -> None:
         self.outstanding[replica] = self.outstanding.get(replica, 0) + 1
 
-    def release(self, replica: str) -> None:
+    def release(self, replica: Hashable) -> None:
         left = self.outstanding.get(replica, 0) - 1
         if left > 0:
             self.outstanding[replica] = left
         else:
             self.outstanding.pop(replica, None)
 
-    def eject(self, replica: str, until: float) -> None:
-        self._ejected[replica] = until
+    def ejected(self, now: float) -> set[Hashable]:
+        return self.outliers.ejected(now)
 
-    def ejected(self, now: float) -> set[str]:
-        return {r for r, until in self._ejected.items() if until > now}
+    def forget(self, replica: Hashable) -> None:
+        self.outliers.forget(replica)
 
-    def _expire(self, now: float) -> None:
-        for replica in [r for r, until in self._ejected.items() if until <= now]:
-            del self._ejected[replica]
-
-    def forget(self, model: str, replica: str) -> None:
+    def fleet_size(self, model: str, replicas: int) -> None:
+        """A model's replica count changed: its table grows or shrinks with it, and goes with
+        the last replica (a model scaled to zero holds no memory for its prefixes)."""
+        if replicas <= 0:
+            self._tables.pop(model, None)
+            return
         table = self._tables.get(model)
         if table is not None:
-            table.forget(replica)
+            table.resize(self._capacity(replicas))
+
+    def _capacity(self, replicas: int) -> int:
+        return min(self.table_capacity, TABLE_PER_REPLICA * max(1, replicas))

@@ -168,6 +168,10 @@ class GuardedProtocol(HttpToolsProtocol):
         self._header_count = 0
         self._in_head = True
         self._message_done = True
+        # Requests read whole and answers finished on this connection: an answer whose request
+        # is not yet whole was given before its body arrived.
+        self._messages_read = 0
+        self._answers = 0
         self._refused = False
         self._head_timer: asyncio.TimerHandle | None = None
         self.body_started = 0.0
@@ -187,7 +191,11 @@ class GuardedProtocol(HttpToolsProtocol):
     def data_received(self, data: bytes) -> None:
         if self._refused:
             return
-        if self._in_head:
+        if self._in_head and not self._head_bytes and not data.strip(b"\r\n"):
+            # Empty lines between requests, or after a body: RFC 9112 (2.2) says to ignore them,
+            # so they start no head and no timer.
+            pass
+        elif self._in_head:
             seen = self._head_bytes + len(data)
             if seen > self.guard.max_head_bytes:
                 # Only now look for where the head ends: the body may follow it in this read.
@@ -202,7 +210,9 @@ class GuardedProtocol(HttpToolsProtocol):
                     return
             self._head_bytes = seen
             self._tail = data[-3:]
-            if self._head_timer is None:
+            # A pipelined head that arrives while an answer is in flight is timed from the
+            # answer's end (on_response_complete): the client is reading, not stalling.
+            if self._head_timer is None and not self.responding:
                 self._head_timer = self.loop.call_later(self.guard.head_s, self._head_timed_out)
         elif not self._message_done:
             self.body_bytes += len(data)
@@ -258,6 +268,7 @@ class GuardedProtocol(HttpToolsProtocol):
 
     def on_message_complete(self) -> None:
         self._message_done = True
+        self._messages_read += 1
         self.guard.reading.pop(self, None)
         self._in_head = True
         self._head_bytes = 0
@@ -265,16 +276,27 @@ class GuardedProtocol(HttpToolsProtocol):
         super().on_message_complete()
 
     def on_response_complete(self) -> None:
+        self._answers += 1
         super().on_response_complete()
         if self.transport.is_closing():
             return
-        if not self._message_done:
+        if self._messages_read < self._answers:
             # Answered before its body was read (a refusal, a timeout): what is left of the
             # body would hold the connection open, so it is closed instead.
             self.transport.close()
             return
-        if not self.pipeline:
-            self.guard.idle[self] = time.monotonic()
+        if self.responding:
+            # A pipelined request took over (uvicorn started it just now): not idle.
+            return
+        if self._in_head and self._head_bytes and self._head_timer is None:
+            self._head_timer = self.loop.call_later(self.guard.head_s, self._head_timed_out)
+        self.guard.idle[self] = time.monotonic()
+
+    @property
+    def responding(self) -> bool:
+        """An answer is in flight: the guard neither times a head nor counts the connection idle."""
+        cycle = self.cycle
+        return cycle is not None and not cycle.response_complete
 
     def send_400_response(self, msg: str) -> None:
         if self._refused or self.transport.is_closing():
@@ -309,7 +331,7 @@ class GuardedProtocol(HttpToolsProtocol):
 
     def _head_timed_out(self) -> None:
         self._head_timer = None
-        if not self._in_head or self.transport.is_closing():
+        if not self._in_head or self.transport.is_closing() or self.responding:
             return
         if self._head_bytes:
             self.refuse(

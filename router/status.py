@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Hashable
 from typing import Any
 
 from nomad_driver.spec import redact
@@ -13,17 +13,19 @@ from router.discovery import Discovery, Snapshot
 
 def models_listing(snapshot: Snapshot, activating: Callable[[str], bool]) -> dict[str, Any]:
     """OpenAI's model list, each entry with an `llmgw` object the SDKs pass through untouched."""
-    data = [
-        {
-            "id": name,
-            "object": "model",
-            "created": 0,
-            "owned_by": "llmgw",
-            "llmgw": model_status(name, snapshot, activating(name)),
-        }
-        for name in sorted(snapshot.known_models())
-    ]
+    data = [model_entry(name, snapshot, activating(name)) for name in sorted(snapshot.known_models())]
     return {"object": "list", "data": data}
+
+
+def model_entry(model: str, snapshot: Snapshot, activating: bool) -> dict[str, Any]:
+    """One model as OpenAI's `GET /v1/models/{id}` answers it, with the `llmgw` object."""
+    return {
+        "id": model,
+        "object": "model",
+        "created": 0,
+        "owned_by": "llmgw",
+        "llmgw": model_status(model, snapshot, activating),
+    }
 
 
 def model_status(model: str, snapshot: Snapshot, activating: bool) -> dict[str, Any]:
@@ -88,12 +90,12 @@ def health(discovery: Discovery, consul_addr: str) -> tuple[int, dict[str, Any]]
     return code, body
 
 
-def replica_counts(snapshot: Snapshot, ejected: Collection[str]) -> list[tuple[str, str, int]]:
+def replica_counts(snapshot: Snapshot, ejected: Collection[Hashable]) -> list[tuple[str, str, int]]:
     rows: list[tuple[str, str, int]] = []
     for model in sorted(snapshot.known_models()):
         replicas = snapshot.replicas.get(model, ())
         ready = sum(1 for r in replicas if r.ready)
         rows.append((model, "ready", ready))
         rows.append((model, "unready", len(replicas) - ready))
-        rows.append((model, "ejected", sum(1 for r in replicas if r.id in ejected)))
+        rows.append((model, "ejected", sum(1 for r in replicas if r.key in ejected)))
     return rows

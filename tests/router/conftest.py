@@ -128,6 +128,12 @@ class StubProcess:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    def requests_seen(self) -> int:
+        """Proxied requests that reached the engine (its log has a line for each)."""
+        return sum(
+            1 for line in self.log.read_text(errors="replace").splitlines() if line.startswith("request ")
+        )
+
     def kill(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
@@ -147,9 +153,8 @@ StartStub = Callable[..., StubProcess]
 
 @pytest.fixture
 def stub_engine(tmp_path: Path) -> Iterator[StartStub]:
-    """`stub_engine(name, chunks=5, chunk_delay=0.0, delay=0.0, big_event=0, done_linger=0.0)
-    -> StubProcess`
-    (a real process)."""
+    """`stub_engine(name, chunks=5, chunk_delay=0.0, delay=0.0, big_event=0, done_linger=0.0,
+    status=200) -> StubProcess` (a real process; `requests_seen()` counts what reached it)."""
     started: list[StubProcess] = []
 
     def start(
@@ -160,6 +165,7 @@ def stub_engine(tmp_path: Path) -> Iterator[StartStub]:
         delay: float = 0.0,
         big_event: int = 0,
         done_linger: float = 0.0,
+        status: int = 200,
     ) -> StubProcess:
         port = free_port()
         log = tmp_path / f"stub-{name}.log"
@@ -183,6 +189,8 @@ def stub_engine(tmp_path: Path) -> Iterator[StartStub]:
                     str(big_event),
                     "--done-linger",
                     str(done_linger),
+                    "--status",
+                    str(status),
                 ],
                 cwd=ROOT,
                 stdout=out,

@@ -1,7 +1,9 @@
 """A fixed-answer OpenAI-style engine for router tests that need control a real engine does not
 give: a stream slow enough to kill in the middle, or an answer that names which replica served.
 
-    python -m tests.router.stub_engine --port P --name NAME [--chunks N] [--chunk-delay S]
+    python -m tests.router.stub_engine --port P --name NAME [--chunks N] [--chunk-delay S] [--status 500]
+
+It prints a line for each proxied request it receives, so a test can count what reached it.
 """
 
 from __future__ import annotations
@@ -26,8 +28,12 @@ class StubEngine:
         delay: float = 0.0,
         big_event: int = 0,
         done_linger: float = 0.0,
+        status: int = 200,
     ) -> None:
         self.name = name
+        self.status = status
+        # Requests to the proxied paths, as the router's effect on the engine is counted.
+        self.served = 0
         self.done_linger = done_linger
         self.big_event = big_event
         self.delay = delay
@@ -46,6 +52,12 @@ class StubEngine:
         path = scope["path"]
         if path == "/v1/models":
             await self._json(send, {"object": "list", "data": [{"id": self.name, "object": "model"}]})
+            return
+        self.served += 1
+        print(f"request {self.served} on {path}", flush=True)
+        if self.status != 200:
+            error = {"message": f"{self.name} always fails", "type": "server_error", "code": None}
+            await self._json(send, {"error": error}, self.status)
             return
         request = json.loads(body or b"{}")
         if request.get("stream"):
@@ -82,12 +94,12 @@ class StubEngine:
             "usage": {"prompt_tokens": 1, "completion_tokens": 3, "total_tokens": 4},
         }
 
-    async def _json(self, send: Send, payload: Any) -> None:
+    async def _json(self, send: Send, payload: Any, status: int = 200) -> None:
         data = json.dumps(payload).encode()
         await send(
             {
                 "type": "http.response.start",
-                "status": 200,
+                "status": status,
                 "headers": [
                     (b"content-type", b"application/json"),
                     (b"content-length", str(len(data)).encode()),
@@ -170,8 +182,11 @@ def main() -> None:
     parser.add_argument("--delay", type=float, default=0.0, help="seconds before a non-streamed answer")
     parser.add_argument("--big-event", type=int, default=0, help="bytes of one slow event first")
     parser.add_argument("--done-linger", type=float, default=0.0, help="seconds from [DONE] to the end")
+    parser.add_argument("--status", type=int, default=200, help="answer every request with this status")
     args = parser.parse_args()
-    app = StubEngine(args.name, args.chunks, args.chunk_delay, args.delay, args.big_event, args.done_linger)
+    app = StubEngine(
+        args.name, args.chunks, args.chunk_delay, args.delay, args.big_event, args.done_linger, args.status
+    )
     uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning", access_log=False, lifespan="off")
 
 

@@ -10,6 +10,7 @@ from typing import Any
 
 import httpx
 import pytest
+from openai import OpenAI
 
 from router.config import Limits
 from tests.router.conftest import (
@@ -97,7 +98,6 @@ def test_an_unknown_model_is_404_naming_the_known_models(
         (b'{"messages": []}', "missing_model", "'model' is required"),
         (b'{"model": ""}', "missing_model", "'model' is required"),
         (b"", "invalid_request", "body is empty"),
-        (b'{"model": "alpha", "pad": "' + b"x" * 5000 + b'"}', "request_too_large", "at most 4096 bytes"),
     ],
 )
 def test_bad_input_is_400_saying_what_is_wrong(
@@ -117,6 +117,21 @@ def test_bad_input_is_400_saying_what_is_wrong(
     assert error["type"] == "invalid_request_error"
 
 
+def test_an_oversized_body_is_413_saying_the_limit(consul_url: str, start_router: StartRouter) -> None:
+    router = start_router(consul_url, limits=_limits(4096))
+    resp = httpx.post(
+        f"{router.url}/v1/chat/completions",
+        content=b'{"model": "alpha", "pad": "' + b"x" * 5000 + b'"}',
+        headers={"content-type": "application/json"},
+        timeout=10,
+    )
+    assert resp.status_code == 413, resp.text
+    error = resp.json()["error"]
+    assert error["code"] == "request_too_large"
+    assert "at most 4096 bytes" in error["message"]
+    assert resp.headers["x-should-retry"] == "false"
+
+
 def test_an_oversized_chunked_body_is_refused_without_reading_it_all(
     consul_url: str, start_router: StartRouter
 ) -> None:
@@ -127,7 +142,7 @@ def test_an_oversized_chunked_body_is_refused_without_reading_it_all(
             yield b"x" * 1024
 
     resp = httpx.post(f"{router.url}/v1/completions", content=chunks(), timeout=10)
-    assert resp.status_code == 400
+    assert resp.status_code == 413
     assert resp.json()["error"]["code"] == "request_too_large"
 
 
@@ -215,6 +230,13 @@ def test_the_model_list_shows_every_defined_model_with_its_state(
     assert by_id["phi-4"]["state"] == "unplaceable"
     assert by_id["phi-4"]["reason"] == "no node has 1 x nvidia/gpu with >= 80000 MiB"
     assert by_id["idle-one"] == {"ready_replicas": 0, "replicas": 0, "defined": True, "state": "idle"}
+    # One model by its ID, as the SDK's `client.models.retrieve` asks.
+    one = httpx.get(f"{router.url}/v1/models/kev-0.5b", timeout=10)
+    assert one.status_code == 200, one.text
+    assert one.json()["id"] == "kev-0.5b" and one.json()["llmgw"]["state"] == "parked"
+    assert OpenAI(base_url=f"{router.url}/v1", api_key="none").models.retrieve("alpha").id == "alpha"
+    missing = httpx.get(f"{router.url}/v1/models/gpt-9", timeout=10)
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
     # Alerts on refusals and activations work before the first one: the series exist at 0.
     metrics = httpx.get(f"{router.url}/metrics", timeout=10).text
     assert 'llmgw_router_refusals_total{model="idle-one",reason="parked"} 0.0' in metrics

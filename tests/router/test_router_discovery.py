@@ -10,9 +10,11 @@ from pathlib import Path
 import httpx
 
 from devstack.consul_agent import ConsulAgent
+from nomad_driver.blocking import Reading
 from nomad_driver.consul import KVEntry
 from router.catalog import Fleet, parse_instances, parse_not_passing
-from router.discovery import parse_states
+from router.config import ConsulSettings
+from router.discovery import ChecksReading, Discovery, InstancesReading, parse_states
 from tests.router.conftest import (
     StartRouter,
     StartStub,
@@ -121,7 +123,7 @@ def test_a_check_that_clears_puts_an_instance_back_only_once_its_own_health_conf
     assert fleet.set_not_passing(cleared, checked, {("n1", "back"): "passing", ("n1", "still"): "critical"})
     assert [r.id for r in fleet.ready["m"]] == ["back"]
     assert {r.id for r in fleet.replicas["m"]} == {"back", "still"}
-    assert "dying" not in fleet.by_id
+    assert ("n1", "dying") not in fleet.by_key
 
 
 def test_the_model_comes_from_meta_or_the_model_tag_and_the_address_falls_back_to_the_node() -> None:
@@ -166,7 +168,8 @@ def test_the_snapshot_follows_registrations_checks_and_state_in_consul(
     stub = stub_engine("r1")
     check = register_replica(consul_url, "alpha", stub.port, "alpha-1", ttl=True)
     router.wait_ready("alpha", 1)
-    replica = router.app.discovery.snapshot.by_id["alpha-1"]
+    (replica,) = router.app.discovery.snapshot.replicas["alpha"]
+    assert replica.id == "alpha-1" and replica.key in router.app.discovery.snapshot.by_key
     assert (replica.model, replica.port, replica.def_hash) == ("alpha", stub.port, "h0")
 
     fail_check(consul_url, check)
@@ -255,3 +258,20 @@ def test_with_consul_gone_the_router_serves_from_its_last_snapshot_and_says_so(
     agent.restart()
     wait_until(lambda: router.app.discovery.consul_up, 30, "the router to read Consul again")
     assert httpx.get(f"{router.url}/healthz", timeout=5).json()["status"] == "ok"
+
+
+def test_an_older_catalog_reading_does_not_undo_a_newer_reading_of_the_checks() -> None:
+    # No Consul needed: the two watches' readings are applied in the order they may land.
+    discovery = Discovery(ConsulSettings())
+    discovery.replica_watch.snapshot = Reading(5, InstancesReading((entry("r1"),), 10, ()), 0.0)
+    discovery._apply_instances()
+    assert [r.id for r in discovery.snapshot.ready["m"]] == ["r1"]
+    # The checks watch then reads r1 critical, at a later index.
+    discovery.checks_watch.snapshot = Reading(20, ChecksReading((check("n1", "r1", "critical"),)), 0.0)
+    discovery._apply_checks()
+    assert "m" not in discovery.snapshot.ready
+    # A catalog reading whose checks were read before that (index 10) lands afterwards.
+    discovery.replica_watch.snapshot = Reading(6, InstancesReading((entry("r1"),), 10, ()), 0.0)
+    discovery._apply_instances()
+    assert "m" not in discovery.snapshot.ready
+    assert [r.status for r in discovery.snapshot.replicas["m"]] == ["critical"]

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from router.outliers import Outliers
 from router.routing import (
+    TABLE_PER_REPLICA,
     AffinityTable,
     Balancer,
     prefix_hashes,
@@ -134,18 +136,18 @@ def test_least_outstanding_wins_without_affinity() -> None:
 
 
 def test_a_replica_that_failed_is_skipped_until_its_ejection_ends() -> None:
-    balancer = Balancer()
-    balancer.eject("a", until=10.0)
-    picks = {balancer.choose("m", ["a", "b"], now=5.0) for _ in range(10)}
+    balancer = Balancer(outliers=Outliers(connect_s=5.0))
+    balancer.outliers.connection_failed("a", now=5.0)
+    picks = {balancer.choose("m", ["a", "b"], now=9.0) for _ in range(10)}
     assert picks == {"b"}
     picks = {balancer.choose("m", ["a", "b"], now=11.0) for _ in range(10)}
     assert picks == {"a", "b"}
 
 
 def test_an_ejected_replica_is_still_used_when_it_is_the_only_one_left() -> None:
-    balancer = Balancer()
-    balancer.eject("a", until=10.0)
-    assert balancer.choose("m", ["a"], now=5.0) == "a"
+    balancer = Balancer(outliers=Outliers(connect_s=5.0))
+    balancer.outliers.connection_failed("a", now=5.0)
+    assert balancer.choose("m", ["a"], now=6.0) == "a"
 
 
 def test_replicas_already_tried_are_excluded_and_none_is_returned_when_all_were() -> None:
@@ -180,8 +182,8 @@ def test_the_affinity_table_forgets_the_least_recently_used_keys_first() -> None
     table.record([4, 5], "b")
     assert len(table) == 4
     assert table.get(2) is None and table.get(1) == "a" and table.get(5) == "b"
-    table.forget("a")
-    assert table.get(1) is None and table.get(3) is None and table.get(4) == "b"
+    table.resize(2)
+    assert len(table) == 2 and table.get(1) is None and table.get(4) == "b"
 
 
 def test_a_key_remembers_its_most_recent_holders() -> None:
@@ -192,8 +194,38 @@ def test_a_key_remembers_its_most_recent_holders() -> None:
     assert table.lookup([7], {"a", "b", "c"}) == (["c", "b"], 1)
     table.record([7], "b")
     assert table.lookup([7], {"a", "b", "c"}) == (["b", "c"], 1)
-    table.forget("b")
-    assert table.lookup([7], {"a", "b", "c"}) == (["c"], 1)
+    # A holder that is gone is passed over, not searched for and removed.
+    assert table.lookup([7], {"a", "c"}) == (["c"], 1)
+
+
+def test_a_models_table_shrinks_with_its_replicas_and_goes_with_the_last() -> None:
+    balancer = Balancer(table_capacity=100_000)
+    balancer.choose("m", ["a", "b"], prefix=list(range(40_000)))
+    assert len(balancer.table("m")) == 40_000
+    balancer.fleet_size("m", 1)
+    assert len(balancer.table("m")) == TABLE_PER_REPLICA
+    balancer.fleet_size("m", 0)
+    assert len(balancer.table("m")) == 0
+
+
+def test_five_5xx_in_a_row_eject_a_replica_for_a_back_off_that_grows_and_a_success_resets_it() -> None:
+    ejections: list[tuple[object, str, float]] = []
+    outliers = Outliers(base_s=30.0, max_s=300.0, on_eject=lambda r, why, s: ejections.append((r, why, s)))
+    for _ in range(4):
+        outliers.failed("a", now=0.0)
+    outliers.succeeded("a")
+    for _ in range(4):
+        outliers.failed("a", now=0.0)
+    assert ejections == []
+    outliers.failed("a", now=0.0)
+    assert ejections == [("a", "consecutive_5xx", 30.0)] and outliers.ejected(1.0) == {"a"}
+    for _ in range(5):
+        outliers.failed("a", now=31.0)
+    assert ejections[-1] == ("a", "consecutive_5xx", 60.0)
+    outliers.succeeded("a")
+    for _ in range(5):
+        outliers.failed("a", now=100.0)
+    assert ejections[-1] == ("a", "consecutive_5xx", 30.0)
 
 
 def test_a_system_prompt_held_by_several_replicas_spreads_new_conversations_among_them() -> None:

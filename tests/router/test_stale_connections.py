@@ -1,7 +1,9 @@
-"""An engine that closes a kept-alive connection while it sits in the router's pool (llama-server
-does, after its keep-alive and when its HTTP threads are all taken) is not a failed replica: the
-request goes again on a new connection and the replica stays in rotation. Found with the real
-llama-server in bench/affinity_bench.py, where each such close ejected a healthy replica."""
+"""A request reaches an engine at most once. The router re-sends a request only when the
+engine provably did not see it: a kept-alive connection the engine closed while it sat idle in
+the pool is never written to (a new one is opened instead). Once the body went out, a connection
+that closes without an answer is the engine's answer: the client is told so, with
+`x-should-retry: false`, and no other replica gets the request. A prompt that crashes its engine
+would otherwise crash every replica of the model, twice each, and the SDK's retries on top."""
 
 from __future__ import annotations
 
@@ -10,9 +12,10 @@ import contextlib
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import httpx
+import openai
 import pytest
 
 from devstack.ports import free_port
@@ -22,14 +25,20 @@ ANSWER = json.dumps(
     {"id": "x", "object": "chat.completion", "model": "alpha",
      "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}]}
 ).encode()  # fmt: skip
+BODY = {"model": "alpha", "messages": [{"role": "user", "content": "hi"}]}
 
 
-class ClosingEngine:
-    """Answers the first request of each connection and keeps it open; the next request on
-    that connection is read and the connection closed without a word."""
+class RawEngine:
+    """An engine on a bare asyncio server, so that a test decides exactly when a connection
+    closes. `answer(n)` says whether the n-th request of a connection (from 1) is answered;
+    an unanswered one is read whole and its connection closed without a word. `idle_close_s`
+    closes a connection that long after its last answer."""
 
-    def __init__(self) -> None:
+    def __init__(self, answer: Callable[[int], bool], idle_close_s: float | None = None) -> None:
         self.port = free_port()
+        self.answer = answer
+        self.idle_close_s = idle_close_s
+        self.received = 0
         self.closed_unanswered = 0
         self.answered = 0
         self.loop = asyncio.new_event_loop()
@@ -47,19 +56,28 @@ class ClosingEngine:
             self.loop.run_until_complete(server.serve_forever())
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        first = True
+        on_connection = 0
         try:
             while True:
-                head = await reader.readuntil(b"\r\n\r\n")
+                if self.idle_close_s is not None and on_connection:
+                    try:
+                        async with asyncio.timeout(self.idle_close_s):
+                            head = await reader.readuntil(b"\r\n\r\n")
+                    except TimeoutError:
+                        break
+                else:
+                    head = await reader.readuntil(b"\r\n\r\n")
                 length = 0
                 for line in head.split(b"\r\n"):
                     if line.lower().startswith(b"content-length:"):
                         length = int(line.split(b":")[1])
                 await reader.readexactly(length)
-                if not first:
+                on_connection += 1
+                if head.startswith(b"POST "):
+                    self.received += 1
+                if not self.answer(on_connection):
                     self.closed_unanswered += 1
                     break
-                first = False
                 self.answered += 1
                 writer.write(
                     b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
@@ -77,25 +95,77 @@ class ClosingEngine:
 
 
 @pytest.fixture
-def closing_engine() -> Iterator[ClosingEngine]:
-    engine = ClosingEngine()
-    yield engine
-    engine.stop()
+def raw_engines() -> Iterator[Callable[..., RawEngine]]:
+    started: list[RawEngine] = []
+
+    def start(answer: Callable[[int], bool], idle_close_s: float | None = None) -> RawEngine:
+        engine = RawEngine(answer, idle_close_s)
+        started.append(engine)
+        return engine
+
+    yield start
+    for engine in started:
+        engine.stop()
 
 
-def test_a_kept_alive_connection_the_engine_closed_is_retried_not_counted_against_the_replica(
-    consul_url: str, closing_engine: ClosingEngine, start_router: StartRouter
+def test_a_kept_alive_connection_closed_after_the_body_went_out_is_not_sent_again(
+    consul_url: str, raw_engines: Callable[..., RawEngine], start_router: StartRouter
 ) -> None:
-    register_replica(consul_url, "alpha", closing_engine.port, "alpha-closing", ttl=True)
+    # Answers the first request of each connection; the second is read and the connection
+    # closed, as an engine that took the request and then died would.
+    engine = raw_engines(lambda n: n == 1)
+    register_replica(consul_url, "alpha", engine.port, "alpha-closing", ttl=True)
     router = start_router(consul_url)
     router.wait_ready("alpha", 1)
-    body = {"model": "alpha", "messages": [{"role": "user", "content": "hi"}]}
-    for _ in range(5):
-        resp = httpx.post(f"{router.url}/v1/chat/completions", json=body, timeout=10)
-        assert resp.status_code == 200, resp.text
-    # Every other request met a pooled connection the engine then closed (the one after it
-    # found the pool empty and opened a new one).
-    assert closing_engine.closed_unanswered == 2
-    assert closing_engine.answered == 5
+    first = httpx.post(f"{router.url}/v1/chat/completions", json=BODY, timeout=10)
+    assert first.status_code == 200, first.text
+    second = httpx.post(f"{router.url}/v1/chat/completions", json=BODY, timeout=10)
+    assert second.status_code == 502, second.text
+    error = second.json()["error"]
+    assert error["code"] == "upstream_closed"
+    assert "closed the connection after the request was sent" in error["message"]
+    assert second.headers["x-should-retry"] == "false"
+    # Seen once, and not re-sent on a new connection.
+    assert engine.received == 2
+    assert engine.closed_unanswered == 1
+    assert engine.answered == 1
+
+
+def test_an_engine_that_reads_the_body_and_aborts_sees_the_request_once_and_no_other_replica_does(
+    consul_url: str, raw_engines: Callable[..., RawEngine], start_router: StartRouter
+) -> None:
+    engines = [raw_engines(lambda n: False) for _ in range(3)]
+    for i, engine in enumerate(engines):
+        register_replica(consul_url, "alpha", engine.port, f"alpha-{i}", ttl=True)
+    router = start_router(consul_url)
+    router.wait_ready("alpha", 3)
+    # The SDK as users run it, with its two retries.
+    client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="none", timeout=20)
+    with pytest.raises(openai.APIStatusError) as caught:
+        client.chat.completions.create(model="alpha", messages=[{"role": "user", "content": "hi"}])
+    assert caught.value.status_code == 502
+    assert isinstance(caught.value.body, dict) and caught.value.body["code"] == "upstream_closed"
+    assert sum(e.received for e in engines) == 1
+    router.expect_metric("llmgw_router_requests_total", 1, model="alpha", code="502")
+    # Logged and counted as what it was: a replica that took the request and closed.
     assert router.metric("llmgw_router_upstream_failures_total", model="alpha", phase="connect") == 0
+    assert router.metric("llmgw_router_upstream_failures_total", model="alpha", phase="closed") == 1
+
+
+def test_a_kept_alive_connection_the_engine_closed_while_idle_costs_no_request(
+    consul_url: str, raw_engines: Callable[..., RawEngine], start_router: StartRouter
+) -> None:
+    # Closes each connection 0.2 s after its answer, well inside the router's own keep-alive.
+    engine = raw_engines(lambda n: True, idle_close_s=0.2)
+    register_replica(consul_url, "alpha", engine.port, "alpha-idle", ttl=True)
+    router = start_router(consul_url)
+    router.wait_ready("alpha", 1)
+    for _ in range(3):
+        resp = httpx.post(f"{router.url}/v1/chat/completions", json=BODY, timeout=10)
+        assert resp.status_code == 200, resp.text
+        time.sleep(0.6)
+    assert engine.received == 3
+    assert engine.answered == 3
+    for phase in ("connect", "closed", "stream"):
+        assert router.metric("llmgw_router_upstream_failures_total", model="alpha", phase=phase) == 0
     assert router.app.balancer.ejected(time.monotonic()) == set()
