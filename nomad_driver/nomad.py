@@ -191,8 +191,14 @@ class Nomad:
             raise
         return data if isinstance(data, dict) else None
 
-    def register_job(self, job: dict[str, Any]) -> dict[str, Any]:
-        resp = self._request("job", str(job["ID"]), method="post", body={"Job": job})
+    def register_job(self, job: dict[str, Any], *, enforce_index: int | None = None) -> dict[str, Any]:
+        """Register (or update) a job. With `enforce_index`, only over the job version Nomad
+        holds at that JobModifyIndex (0: only if no such job exists), as `nomad job run
+        -check-index` does: a writer acting on an old view is refused, not obeyed."""
+        body: dict[str, Any] = {"Job": job}
+        if enforce_index is not None:
+            body.update(EnforceIndex=True, JobModifyIndex=enforce_index)
+        resp = self._request("job", str(job["ID"]), method="post", body=body)
         data = self._json(resp, f"register {job['ID']}")
         return data if isinstance(data, dict) else {}
 

@@ -144,3 +144,16 @@ def test_the_standin_replaces_a_spent_failed_allocation_when_forced(
     third = settled(3)
     forced = [a for a in third if (a.get("DesiredTransition") or {}).get("ForceReschedule")]
     assert len(forced) == 1 and forced[0]["NextAllocation"]
+
+
+def test_a_group_whose_reschedule_policy_is_disabled_is_named_not_asked_in_vain() -> None:
+    """Nomad's `Job.Evaluate` forces a reschedule only where the group's policy is enabled
+    (nomad/job_endpoint.go); with attempts 0 the request does nothing, so llmgw does not make
+    it, and says why the model is down."""
+    t = int(NOW * 1e9) - 10_000_000_000
+    disabled = job(KEV, 1)
+    disabled["TaskGroups"][0]["ReschedulePolicy"] = {"Attempts": 0, "Interval": 0, "Unlimited": False}
+    decision = reconcile(view(job=disabled, allocs=(spent("a2", t, 0),)), 5)
+    assert not any(isinstance(a, ForceReschedule) for a in decision.actions)
+    assert "reschedule policy is disabled (attempts 0)" in decision.state.nomad_gave_up
+    assert decision.health == "critical"

@@ -234,3 +234,38 @@ def test_the_busy_floor_keeps_every_known_busy_replica_when_one_is_unknown() -> 
     assert busy_floor_of({f"_nomad-task-{a3}-engine-llmgw-engine-http"}, allocs, 1, 4, count=5) == 4
     assert busy_floor_of(replicas, allocs, 2, 4, count=5) == 5
     assert busy_floor_of(set(), allocs, 0, 4, count=5) == 0
+
+
+def test_a_replica_that_never_turns_ready_holds_a_scale_down_for_a_while_not_forever() -> None:
+    from nomad_driver.watcher.reconcile import reconcile
+    from nomad_driver.watcher.scaling import STARTING_HOLD_S
+    from tests.test_reconcile import KEV, NOW, job, view
+
+    def loading(aid: str, index: int, started_s_ago: float) -> dict[str, Any]:
+        t = int((NOW - started_s_ago) * 1e9)
+        return {
+            "ID": aid,
+            "Name": f"llmgw-kev.engine[{index}]",
+            "ClientStatus": "running",
+            "DesiredStatus": "run",
+            "CreateTime": t,
+            "TaskStates": {"engine": {"Events": [{"Type": "Started", "Time": t}]}},
+        }
+
+    # Scaled to 2 by a load that has gone; the second replica is still loading.
+    fresh = view(
+        job=job(KEV, 2),
+        allocs=(loading("a", 0, 3600), loading("b", 1, 60)),
+        ready=1,
+        healthy_starts=frozenset({(int((NOW - 3600) * 1e9), "a")}),
+    )
+    assert reconcile(fresh).desired_reason == "starting"
+    # Loading for longer than any model takes: it holds nothing, the count comes down.
+    stuck = view(
+        job=job(KEV, 2),
+        allocs=(loading("a", 0, 3600), loading("b", 1, STARTING_HOLD_S + 60)),
+        ready=1,
+        healthy_starts=frozenset({(int((NOW - 3600) * 1e9), "a")}),
+    )
+    d = reconcile(stuck)
+    assert d.desired == 1 and d.desired_reason != "starting"

@@ -403,3 +403,60 @@ async def test_a_model_may_not_take_the_name_or_the_job_of_something_else(
     shown = model_status(w, "foo")
     assert shown["state"] == "conflict" and shown["reason"] == state.job_conflict
     assert w.decisions["foo"].health == "critical"
+
+
+async def test_a_purged_and_recreated_job_still_parks_after_five_failed_starts(
+    counting: Callable[..., Awaitable[Counting]], make_gguf: Any
+) -> None:
+    """`nomad job stop -purge` (or Nomad's job GC) while a model crash-loops: the watcher
+    registers the job again at version 0, below the version its count began at, and the
+    failures of the new job still count: parked after five in all."""
+    kev_a = make_gguf(architecture="kev", name="kev-a.gguf")
+    kev_b = make_gguf(architecture="kev", name="kev-b.gguf")
+    world = await counting(models_text(m=(f"file://{kev_a}", "cpu", 1)))
+    observer = world.observe("llmgw-m")
+    w = await world.watcher()
+    await until(lambda: observer.look() or len(observer.failures) >= 1, 120, "a failed start", 0.1)
+    # A new definition (still broken): its count begins at the job version that brings it, 1.
+    await world.consul.kv_put(CONFIG_MODELS_KEY, models_text(m=(f"file://{kev_b}", "cpu", 1)))
+
+    async def counting_b() -> ModelState | None:
+        s = await world.state()
+        return s if s is not None and s.count_job_version >= 1 and s.consecutive_failures >= 2 else None
+
+    before = await until(counting_b, 120, "two failures of the new definition", 0.1)
+    assert not before.parked
+    created = int(world.nomad.get_job("llmgw-m")["CreateIndex"])
+    requests.delete(
+        f"{world.standin.url}/v1/job/llmgw-m", params={"purge": "true"}, timeout=10
+    ).raise_for_status()
+
+    state = await until(world.parked, 240, "m parked", 0.2)
+    job = world.nomad.get_job("llmgw-m")
+    assert int(job["CreateIndex"]) != created and int(job["Version"]) <= 1
+    assert state.consecutive_failures == 5
+    assert "unknown model architecture" in state.last_error
+    assert w.decisions["m"].state.parked
+
+
+async def test_a_model_whose_nomad_budgets_ran_out_is_asked_again_and_parked_by_the_count(
+    counting: Callable[..., Awaitable[Counting]], make_gguf: Any
+) -> None:
+    """Nomad's reschedule budget is spent (here: one a day, used by the first failure) before
+    the count reaches five: a failed allocation holds the slot and Nomad will not replace it.
+    The watcher asks Nomad again (`-force-reschedule`), each replacement is another start, and
+    the model is parked on its fifth, with its cause, rather than left down."""
+    kev = make_gguf(architecture="kev", name="kev.gguf")
+    text = models_text(m=(f"file://{kev}", "cpu", 1))
+    world = await counting(text)
+    model = parse_models(text).models["m"]
+    job = render_job(model)
+    job["TaskGroups"][0]["ReschedulePolicy"] = {**job["TaskGroups"][0]["ReschedulePolicy"], "Attempts": 1}
+    world.nomad.register_job(job)
+    await world.watcher()
+    state = await until(world.parked, 240, "m parked", 0.2)
+    assert state.consecutive_failures == 5
+    assert "unknown model architecture" in state.last_error
+    allocs = all_allocs(world.nomad, model.job_id)
+    forced = [a for a in allocs if (a.get("DesiredTransition") or {}).get("ForceReschedule")]
+    assert forced, "Nomad was never asked again"

@@ -92,3 +92,21 @@ def test_a_purged_and_recreated_job_still_parks_after_five_failed_starts() -> No
     assert decision.state.consecutive_failures == 5
     # Written down for the next pass: the new job's versions count from 0.
     assert (decision.state.count_job_version, decision.state.count_job_create_index) == (0, 900)
+
+
+def test_a_written_state_is_waited_for_until_the_kv_shows_it_and_no_longer() -> None:
+    """The leader remembers a state it wrote until its KV snapshot catches up, so the next pass
+    does not redo the write; but not forever: a key deleted since, or a Consul whose indexes
+    went back (a restored snapshot), would otherwise leave the watcher on a state nobody holds."""
+    from nomad_driver.watcher.fenced import PENDING_FOR_S, FencedStates
+
+    states = FencedStates(None, None)  # type: ignore[arg-type]
+    written = ModelState(consecutive_failures=3)
+    states._written["m"] = (120, written, 1000.0)
+    states.settle(kv_index=110, now=1001.0)
+    assert states.pending("m") == (120, written)  # the snapshot is older than the write
+    states.settle(kv_index=120, now=1002.0)
+    assert states.pending("m") is None  # the snapshot covers it, whatever it says of the key
+    states._written["m"] = (500, written, 1000.0)
+    states.settle(kv_index=30, now=1000.0 + PENDING_FOR_S + 1)  # indexes went back: not waited for
+    assert states.pending("m") is None

@@ -219,3 +219,27 @@ async def test_an_idle_fleet_costs_a_handful_of_long_polls_not_calls_per_model(
     calls = sum(w.calls for w in watches) - before
     # Five loops, each at most a couple of returns in one wait, whatever the number of models.
     assert calls <= 15, f"{calls} watch calls in 10 idle seconds for 20 models"
+
+
+def test_the_watchers_register_only_lands_over_the_job_version_it_saw(
+    start_standin: Callable[..., Any],
+) -> None:
+    """A leader acting on an old view (a Nomad answer from before another writer's register)
+    must not undo the newer job: its register carries the JobModifyIndex it saw, as `nomad job
+    run -check-index` does, and Nomad refuses it."""
+    from nomad_driver.nomad import NomadError
+    from nomad_driver.render import render_job
+
+    standin = start_standin(consul=False)
+    nomad = Nomad(standin.url)
+    model = parse_models(models_text(m=("file:///tmp/m.gguf", "cpu", 1))).models["m"]
+    job = render_job(model)
+    nomad.register_job(job, enforce_index=0)  # new: only if there is none
+    seen = int(nomad.get_job(model.job_id)["JobModifyIndex"])
+    newer = {**job, "Meta": {**job["Meta"], "note": "newer"}}
+    nomad.register_job(newer, enforce_index=seen)
+    with pytest.raises(NomadError, match="Enforcing job modify index"):
+        nomad.register_job(job, enforce_index=seen)  # the old view's register
+    with pytest.raises(NomadError, match="Enforcing job modify index 0"):
+        nomad.register_job(job, enforce_index=0)
+    assert nomad.get_job(model.job_id)["Meta"]["note"] == "newer"

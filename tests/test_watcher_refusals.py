@@ -207,6 +207,41 @@ async def admin_server(watcher: Watcher) -> tuple[uvicorn.Server, asyncio.Task[N
     return server, asyncio.create_task(server.serve()), f"http://127.0.0.1:{port}"
 
 
+async def test_a_park_that_nomad_refuses_is_not_stored_as_parked(
+    consul_url: str, start_standin: Callable[..., Any]
+) -> None:
+    """Parking is a scale to 0; when Nomad refuses it, the replicas keep crash-looping, and
+    saying "parked" would hide that. The model shows the refusal and its count, and the park
+    is asked again on the next pass."""
+    model = parse_models(MODELS).models["stuck"]
+    standin, consul, _, watcher = await watcher_on_standin(
+        consul_url, start_standin, MODELS, ident="park-refused", clock_speed=1.0
+    )
+    # Someone set the group's scaling minimum to 2 in Nomad: the scale to 0 is refused.
+    job = mock_job(model, 2)
+    job["TaskGroups"][0]["Scaling"]["Min"] = 2
+    register(standin.url, job)
+    await watcher.start()
+    try:
+
+        async def refused_park() -> Any:
+            state = await read_state(consul, "stuck")
+            error = state.last_action_error if state is not None else None
+            return state if error is not None and error.action == "park" else None
+
+        state = await until(refused_park, 180, "the refused park recorded", every=0.2)
+        assert not state.parked
+        assert state.consecutive_failures >= 5
+        assert "less than scaling policy minimum" in state.last_action_error.message
+        decision = watcher.decisions["stuck"]
+        assert decision.health == "critical" and "Nomad refuses to park it" in decision.health_output
+        assert job_count(standin.url, model.job_id) == 2
+    finally:
+        await watcher.stop()
+        await watcher.consul.close()
+        await consul.close()
+
+
 async def test_a_job_in_a_node_pool_nomad_does_not_have_is_a_model_condition_until_the_pool_exists(
     consul_url: str, start_standin: Callable[..., Any], caplog: pytest.LogCaptureFixture, tmp_path: Any
 ) -> None:

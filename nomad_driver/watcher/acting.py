@@ -5,6 +5,7 @@ the model's `last_action_error`."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import re
 import time
@@ -129,6 +130,7 @@ class Actor:
         condition = d.state.last_action_error
         asked_nomad = False
         parked = False
+        park_undone = False
         write: WriteState | None = None
         attempt: Attempt | None = None
         for action in d.actions:
@@ -151,6 +153,8 @@ class Actor:
             if isinstance(action, Scale) and self._still_held(model, action, view):
                 continue
             outcome = await self._apply(model, action, view)
+            # Not scaled to 0: the replicas still run (and crash-loop), so nothing may say parked.
+            park_undone = park_undone or (isinstance(action, Park) and outcome is not True)
             if isinstance(action, NomadAction):
                 asked_nomad = True
                 if isinstance(outcome, ActionError):
@@ -167,6 +171,10 @@ class Actor:
         if parked:
             return d  # Park wrote the state itself, with no refusal
         state = write.state if write is not None else d.state
+        if park_undone:
+            # Counted, not parked: the next pass, seeing the count, asks for the park again.
+            state = state.model_copy(update={"parked": False, "parked_def_hash": ""})
+            write = write or WriteState(d.model, state, view.state_index)
         if attempt is not None:
             state = state.model_copy(update={"attempt": attempt})
         if condition != state.last_action_error:
@@ -313,7 +321,9 @@ class Actor:
                 # The fabric reconcile chose from the pass's nodes: every shard lands in it.
                 job.setdefault("Constraints", []).append(fabric_constraint(action.fabric))
             self.leadership.check_lease(f"registering {model.job_id}")
-            await asyncio.to_thread(self.nomad.register_job, job)
+            await asyncio.to_thread(
+                functools.partial(self.nomad.register_job, job, enforce_index=action.job_modify_index)
+            )
             log.info(
                 "event=job_registered model=%s job=%s count=%d fabric=%s",
                 model.name,

@@ -5,6 +5,7 @@ what the last one wrote."""
 from __future__ import annotations
 
 import logging
+import time
 
 from nomad_driver.consul import Consul
 from nomad_driver.state import LEADER_KEY, ModelState, state_key
@@ -12,16 +13,30 @@ from nomad_driver.watcher.leader import Leadership
 
 log = logging.getLogger("llmgw.watcher")
 
+# A written state the KV snapshot has not shown for this long is not waited for any more: the key
+# was deleted since, or Consul's indexes went back (a restored snapshot), and the KV is the truth.
+PENDING_FOR_S = 60.0
+
 
 class FencedStates:
     def __init__(self, consul: Consul, leadership: Leadership) -> None:
         self.consul = consul
         self.leadership = leadership
-        # States written that the KV snapshot may not show yet: model -> (ModifyIndex, state).
-        self._written: dict[str, tuple[int, ModelState]] = {}
+        # States written that the KV snapshot may not show yet: model -> (ModifyIndex, state,
+        # when written, monotonic).
+        self._written: dict[str, tuple[int, ModelState, float]] = {}
 
     def pending(self, model: str) -> tuple[int, ModelState] | None:
-        return self._written.get(model)
+        written = self._written.get(model)
+        return (written[0], written[1]) if written is not None else None
+
+    def settle(self, kv_index: int, now: float | None = None) -> None:
+        """Forget what the KV snapshot (at `kv_index`, the index of the whole prefix) already
+        covers, whatever it says of the key, and what it has not shown for PENDING_FOR_S."""
+        now = time.monotonic() if now is None else now
+        self._written = {
+            model: w for model, w in self._written.items() if w[0] > kv_index and now - w[2] < PENDING_FOR_S
+        }
 
     def forget(self) -> None:
         """On a change of leader: a new leader reads the KV before writing, a deposed one
@@ -38,7 +53,7 @@ class FencedStates:
         )
         if result.ok:
             # Remember it until the KV snapshot catches up, so the next pass does not redo it.
-            self._written[model] = (result.indexes.get(key, cas + 1), state)
+            self._written[model] = (result.indexes.get(key, cas + 1), state, time.monotonic())
             return True
         if result.failed_session_check():
             log.warning("event=fenced_write_refused model=%s reason=%r", model, result.errors)

@@ -62,9 +62,30 @@ def reschedule_eligible(alloc: Mapping[str, Any], policy: Mapping[str, Any]) -> 
     return recent < attempts
 
 
+def rescheduling_enabled(policy: Mapping[str, Any]) -> bool:
+    """Nomad's `ReschedulePolicy.Enabled`: `Job.Evaluate` forces a reschedule only for a group
+    whose policy is enabled (nomad/job_endpoint.go), so with attempts 0 asking does nothing."""
+    return as_int(policy.get("Attempts")) > 0 or bool(policy.get("Unlimited"))
+
+
+def disabled_slots(job: Mapping[str, Any] | None, allocs: Sequence[Mapping[str, Any]]) -> tuple[str, ...]:
+    """Failed allocations holding a slot in a group whose reschedule policy is disabled: Nomad
+    will not replace them, asked or not."""
+    return tuple(
+        sorted(
+            str(a.get("ID") or "")
+            for a in allocs
+            if a.get("ClientStatus") == "failed"
+            and a.get("DesiredStatus") == "run"
+            and not a.get("NextAllocation")
+            and not rescheduling_enabled(_policy(job, str(a.get("TaskGroup") or "")))
+        )
+    )
+
+
 def spent_slots(job: Mapping[str, Any] | None, allocs: Sequence[Mapping[str, Any]]) -> tuple[str, ...]:
-    """IDs of the failed allocations that hold a slot Nomad will not fill again, and that llmgw
-    has not already asked Nomad to replace."""
+    """IDs of the failed allocations that hold a slot Nomad will not fill again, that asking
+    can fill (their group may be rescheduled), and that llmgw has not already asked for."""
     spent = []
     for alloc in allocs:
         if alloc.get("ClientStatus") != "failed" or alloc.get("DesiredStatus") != "run":
@@ -73,16 +94,24 @@ def spent_slots(job: Mapping[str, Any] | None, allocs: Sequence[Mapping[str, Any
             continue  # replaced, or a delayed reschedule is on its way
         if (alloc.get("DesiredTransition") or {}).get("ForceReschedule"):
             continue  # asked already; the replacement is coming
-        if not reschedule_eligible(alloc, _policy(job, str(alloc.get("TaskGroup") or ""))):
+        policy = _policy(job, str(alloc.get("TaskGroup") or ""))
+        if rescheduling_enabled(policy) and not reschedule_eligible(alloc, policy):
             spent.append(str(alloc.get("ID") or ""))
     return tuple(sorted(spent))
 
 
-def gave_up_reason(spent: Sequence[str]) -> str:
-    if not spent:
-        return ""
-    which = ", ".join(a[:8] for a in spent)
-    return (
-        f"Nomad will not replace failed allocation(s) {which}: their reschedule attempts are spent; "
-        "llmgw asks Nomad to reschedule them (nomad job eval -force-reschedule)"
-    )
+def gave_up_reason(spent: Sequence[str], disabled: Sequence[str] = ()) -> str:
+    parts = []
+    if spent:
+        parts.append(
+            f"Nomad will not replace failed allocation(s) {', '.join(a[:8] for a in spent)}: their "
+            "reschedule attempts are spent; llmgw asks Nomad to reschedule them (nomad job eval "
+            "-force-reschedule)"
+        )
+    if disabled:
+        parts.append(
+            f"Nomad will not replace failed allocation(s) {', '.join(a[:8] for a in disabled)}: the "
+            "job's reschedule policy is disabled (attempts 0), and Nomad ignores a request to "
+            "reschedule such a group; give it attempts (llmgw's own job has two a day)"
+        )
+    return "; ".join(parts)

@@ -358,6 +358,8 @@ class Watcher:
     def build_views(self, now: float | None = None) -> dict[str, ModelView]:
         now = self.clock() if now is None else now
         kv = self.kv.snapshot.data if self.kv.snapshot else {}
+        if self.kv.snapshot is not None:
+            self.states.settle(self.kv.snapshot.index)
         self._load_models(kv)
         jobs = self.jobs.snapshot.data if self.jobs.snapshot else {}
         allocs_by_job: dict[str, list[dict[str, Any]]] = {}

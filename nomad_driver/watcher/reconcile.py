@@ -18,7 +18,7 @@ from nomad_driver.placement import FabricRoom, PlacementFailure, job_fabric, lat
 from nomad_driver.render import SHARD_GROUP
 from nomad_driver.spec import Model
 from nomad_driver.state import CountedStart, ModelState
-from nomad_driver.watcher.given_up import gave_up_reason, spent_slots
+from nomad_driver.watcher.given_up import disabled_slots, gave_up_reason, spent_slots
 from nomad_driver.watcher.parking import (
     FailureCount,
     Ledger,
@@ -30,7 +30,13 @@ from nomad_driver.watcher.parking import (
 from nomad_driver.watcher.partial import Degraded, failing_slots
 from nomad_driver.watcher.replica_starts import ReplicaStarts, replica_starts, stuck_start
 from nomad_driver.watcher.replica_steps import ReplicaStep, replica_step
-from nomad_driver.watcher.scaling import DEFAULT_STEP_INTERVAL_S, Desired, ScaleInputs, decide
+from nomad_driver.watcher.scaling import (
+    DEFAULT_STEP_INTERVAL_S,
+    STARTING_HOLD_S,
+    Desired,
+    ScaleInputs,
+    decide,
+)
 
 DEFAULT_MAX_START_FAILURES = 5
 HealthStatus = Literal["passing", "warning", "critical"]
@@ -84,6 +90,9 @@ class RegisterJob:
     model: str
     count: int
     fabric: str = ""  # a multi-node model's job is pinned to this fabric
+    # The JobModifyIndex of the job the decision saw (0: none): Nomad registers only over that
+    # one, so a leader acting on an old view cannot undo a newer registration.
+    job_modify_index: int = 0
 
 
 @dataclass(frozen=True)
@@ -393,6 +402,10 @@ def _definition_sighting(view: ModelView) -> dict[str, int]:
     }
 
 
+def _modify_index(job: Mapping[str, Any] | None) -> int:
+    return as_int(job.get("JobModifyIndex")) if isinstance(job, Mapping) else 0
+
+
 def job_create_index(job: Mapping[str, Any] | None) -> int:
     return as_int(job.get("CreateIndex")) if isinstance(job, Mapping) else 0
 
@@ -518,7 +531,7 @@ def reconcile(view: ModelView, max_start_failures: int = DEFAULT_MAX_START_FAILU
         1 for a in view.allocs if a.get("DesiredStatus") == "run" and a.get("ClientStatus") in _LIVE_CLIENT
     )
     starting = max(0, live - view.ready)
-    wanted = desired_for(view, count, starting, parked=state.parked)
+    wanted = desired_for(view, count, min(starting, _recently_started(view)), parked=state.parked)
     desired = wanted.count
     why = _scale_message(m, state, count, desired, wanted)
     step: ReplicaStep | None = None
@@ -529,11 +542,13 @@ def reconcile(view: ModelView, max_start_failures: int = DEFAULT_MAX_START_FAILU
             update={"fabrics_tried": list(step.fabrics_tried), "replica_restarted": step.replica_restarted}
         )
         if step.register_fabric:
-            actions.append(RegisterJob(m.name, step.register_count, step.register_fabric))
+            actions.append(
+                RegisterJob(m.name, step.register_count, step.register_fabric, _modify_index(view.job))
+            )
         elif step.scale_to is not None and not park_now:
             actions.append(Scale(m.name, m.job_id, group, step.scale_to, step.scale_message))
     elif not current:
-        actions.append(RegisterJob(m.name, desired))
+        actions.append(RegisterJob(m.name, desired, job_modify_index=_modify_index(view.job)))
     elif count != desired and not park_now and view.job is not None and not view.job.get("Stop"):
         actions.append(Scale(m.name, m.job_id, group, desired, why, wanted.reason))
 
@@ -582,9 +597,19 @@ def reconcile(view: ModelView, max_start_failures: int = DEFAULT_MAX_START_FAILU
     if failures.serving:
         forced = tuple(a for a in spent if _newest_start_of(view, a) <= state.retried_through_ns)
     degraded = Degraded(tuple(slots), tuple(a for a in spent if a not in forced)) if slots else None
+    disabled: tuple[str, ...] = ()
+    if (
+        not state.parked
+        and not park_now
+        and not multinode
+        and current
+        and desired > 0
+        and not failures.serving
+    ):
+        disabled = disabled_slots(view.job, view.allocs)
     state = state.model_copy(
         update={
-            "nomad_gave_up": gave_up_reason(forced),
+            "nomad_gave_up": gave_up_reason(forced, disabled),
             "degraded": degraded.text(m.name) if degraded else "",
         }
     )
@@ -628,6 +653,24 @@ def reconcile(view: ModelView, max_start_failures: int = DEFAULT_MAX_START_FAILU
         recommendation=wanted.recommendation,
         degraded=degraded,
     )
+
+
+def _recently_started(view: ModelView) -> int:
+    """Live allocations not passing their check, placed or last started within
+    STARTING_HOLD_S: those may still turn ready. Nomad's clock against the watcher's, so
+    only for a quarter of an hour's bound (NTP keeps them within a second)."""
+    since_ns = (view.now - STARTING_HOLD_S) * 1e9
+    passing = {alloc for _, alloc in view.healthy_starts}
+    fresh = 0
+    for a in view.allocs:
+        if a.get("DesiredStatus") != "run" or a.get("ClientStatus") not in _LIVE_CLIENT:
+            continue
+        if str(a.get("ID") or "") in passing:
+            continue
+        began = max([as_int(a.get("CreateTime")), *(s.time_ns for s in starts_of(a))])
+        if began == 0 or began >= since_ns:
+            fresh += 1  # no time known (a view built by hand) counts as fresh
+    return fresh
 
 
 def _newest_start_of(view: ModelView, alloc_id: str) -> int:

@@ -16,7 +16,8 @@ calls, not one per pass.
 
 What the rule never does: stop a replica that has requests in flight (Nomad stops the highest
 allocation index first, so the busy index counts, not the number of busy replicas), scale down
-while new replicas are still starting (they are what the load was asked for), or scale a parked
+while new replicas are still starting (they are what the load was asked for; for 15 minutes at most, so
+a replica that never turns ready holds nothing), or scale a parked
 model. Models with `min: 0` keep their idle timeout: asked for means at least 1, and only a
 whole idle timeout without requests takes them to 0.
 """
@@ -32,6 +33,10 @@ from typing import Literal
 
 DEFAULT_UP_WINDOW_S = 6.0
 DEFAULT_STEP_INTERVAL_S = 5.0
+# Replicas still starting hold a scale-down for this long after they were placed or last
+# started, at most: a 70B model loads well within it on a healthy node, and a replica that never
+# turns ready (a hung load, a check that never passes) must not hold the count up forever.
+STARTING_HOLD_S = 900.0
 
 Reason = Literal["parked", "idle", "min", "asked", "load", "max", "held", "busy", "starting", "step"]
 REASONS: tuple[Reason, ...] = typing.get_args(Reason)
@@ -54,7 +59,9 @@ class ScaleInputs:
     asked: bool = False  # requested within idle_timeout (or in flight now)
     # The count a scale-down must keep so no replica with requests in flight is stopped.
     busy_floor: int = 0
-    starting: int = 0  # allocations placed but not yet ready
+    # Allocations placed but not yet ready, for at most STARTING_HOLD_S since they were placed
+    # or last started: a replica stuck loading holds nothing.
+    starting: int = 0
     parked: bool = False
     since_step_s: float = math.inf  # since the job's count last changed
     step_interval_s: float = DEFAULT_STEP_INTERVAL_S
