@@ -1,8 +1,7 @@
-"""The router leans on two private corners of its libraries: the connection guard subclasses
-uvicorn's httptools protocol and repeats its `data_received` (router/server.py), and the
-upstream pool overrides aiohttp's `TCPConnector._get` (router/upstream.py). pyproject.toml pins
-the versions they were tested with; these tests fail when a version moves what they rely on,
-before a guard silently stops guarding."""
+"""The router leans on a private corner of uvicorn: the connection guard subclasses its httptools
+protocol and repeats its `data_received` (router/server.py). pyproject.toml pins the versions it
+was tested with; these tests fail when a version moves what it relies on, before the guard
+silently stops guarding."""
 
 from __future__ import annotations
 
@@ -10,7 +9,6 @@ import inspect
 import textwrap
 from importlib.metadata import version
 
-import aiohttp
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from tests.router.conftest import ROOT
@@ -50,8 +48,8 @@ def pinned(name: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
     raise AssertionError(f"{name} is not in pyproject.toml")
 
 
-def test_the_installed_uvicorn_and_aiohttp_are_in_the_pinned_ranges() -> None:
-    for name in ("uvicorn", "aiohttp"):
+def test_the_installed_uvicorn_is_in_the_pinned_range() -> None:
+    for name in ("uvicorn",):
         low, high = pinned(name)
         assert low <= release(version(name)) < high, (name, version(name), low, high)
 
@@ -81,10 +79,3 @@ def test_uvicorns_httptools_protocol_still_has_what_the_guard_uses() -> None:
     # "responding" is that cycle's response not being complete.
     assert "self.cycle = RequestResponseCycle(" in inspect.getsource(HttpToolsProtocol.on_headers_complete)
     assert "self.response_complete = False" in inspect.getsource(RequestResponseCycle.__init__)
-
-
-def test_aiohttps_connector_still_takes_pooled_connections_through_get() -> None:
-    get = aiohttp.TCPConnector._get
-    assert list(inspect.signature(get).parameters) == ["self", "key", "traces"]
-    assert "await self._get(key, traces)" in inspect.getsource(aiohttp.BaseConnector.connect)
-    assert isinstance(aiohttp.connector.Connection.transport, property)

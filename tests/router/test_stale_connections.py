@@ -1,6 +1,6 @@
 """A request reaches an engine at most once. The router re-sends a request only when the
-engine provably did not see it: a kept-alive connection the engine closed while it sat idle in
-the pool is never written to (a new one is opened instead). Once the body went out, a connection
+engine provably did not see it: the connection could not be opened. Each request has a
+connection of its own, so an engine closing a kept-alive connection can take none. Once the body went out, a connection
 that closes without an answer is the engine's answer: the client is told so, with
 `x-should-retry: false`, and no other replica gets the request. A prompt that crashes its engine
 would otherwise crash every replica of the model, twice each, and the SDK's retries on top."""
@@ -108,27 +108,21 @@ def raw_engines() -> Iterator[Callable[..., RawEngine]]:
         engine.stop()
 
 
-def test_a_kept_alive_connection_closed_after_the_body_went_out_is_not_sent_again(
+def test_each_request_has_a_connection_of_its_own_so_a_closed_keep_alive_takes_none(
     consul_url: str, raw_engines: Callable[..., RawEngine], start_router: StartRouter
 ) -> None:
-    # Answers the first request of each connection; the second is read and the connection
-    # closed, as an engine that took the request and then died would.
+    # Answers the first request of each connection; a second one on the same connection would
+    # be read and the connection closed, as llama-server was seen doing to kept-alive
+    # connections under load (a lost request, which the router may not send again).
     engine = raw_engines(lambda n: n == 1)
     register_replica(consul_url, "alpha", engine.port, "alpha-closing", ttl=True)
     router = start_router(consul_url)
     router.wait_ready("alpha", 1)
-    first = httpx.post(f"{router.url}/v1/chat/completions", json=BODY, timeout=10)
-    assert first.status_code == 200, first.text
-    second = httpx.post(f"{router.url}/v1/chat/completions", json=BODY, timeout=10)
-    assert second.status_code == 502, second.text
-    error = second.json()["error"]
-    assert error["code"] == "upstream_closed"
-    assert "closed the connection after the request was sent" in error["message"]
-    assert second.headers["x-should-retry"] == "false"
-    # Seen once, and not re-sent on a new connection.
-    assert engine.received == 2
-    assert engine.closed_unanswered == 1
-    assert engine.answered == 1
+    for _ in range(5):
+        resp = httpx.post(f"{router.url}/v1/chat/completions", json=BODY, timeout=10)
+        assert resp.status_code == 200, resp.text
+    assert engine.received == 5 and engine.answered == 5
+    assert engine.closed_unanswered == 0
 
 
 def test_an_engine_that_reads_the_body_and_aborts_sees_the_request_once_and_no_other_replica_does(
