@@ -93,10 +93,13 @@ class ActivityRecorder:
         on_model = self._open.setdefault(model, {})
         on_model[replica] = on_model.get(replica, 0) + 1
         total = sum(on_model.values())
-        # The first request on a model with none published, or twice as many as published (a
-        # burst): written at once. Unknown until the next interval, a request that began just
-        # after a write could see its replica scaled away as idle.
-        if total >= 2 * self._published.get(model, 0):
+        # The first request on a replica of a model with none published, or twice as many as
+        # published (a burst): written at once. Unknown until the next interval, a request that
+        # began just after a write could see its replica scaled away as idle. A request that
+        # waits for a replica is written with its ask (`ask`), which follows at once.
+        published = self._published.get(model, 0)
+        first = replica != WAITING and published == 0
+        if first or (total >= 2 and total >= 2 * published):
             self._wake.set()
 
     def end(self, model: str, replica: str, *, demand: bool = True) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_random_exponential
 
 from nomad_driver.consul import ConsulError, ConsulUnavailable
+from nomad_driver.fields import as_int
 from nomad_driver.nomad import Nomad, NomadError, NomadUnavailable
 from nomad_driver.placement import PlacementWarnings, fabric_constraint, summarize_placement
 from nomad_driver.render import render_job
@@ -114,6 +115,8 @@ class Actor:
         self.states = states
         self.engine_errors = engine_errors
         self.clock = clock
+        # The count this watcher last set per job, and the JobModifyIndex Nomad gave it.
+        self._scaled: dict[str, tuple[int, int]] = {}
         # Refusals and failed calls are logged like placement warnings: on change or every ten
         # minutes, never on every pass (a Nomad outage would otherwise log each model per pass).
         self.refusal_warnings = PlacementWarnings(clock)
@@ -150,7 +153,9 @@ class Actor:
                 continue
             if isinstance(action, Park):
                 action = replace(action, state=action.state.model_copy(update={"last_action_error": None}))
-            if isinstance(action, Scale) and self._still_held(model, action, view):
+            if isinstance(action, Scale) and (
+                self._still_held(model, action, view) or self._asked_already(action, view)
+            ):
                 continue
             outcome = await self._apply(model, action, view)
             # Not scaled to 0: the replicas still run (and crash-loop), so nothing may say parked.
@@ -245,6 +250,13 @@ class Actor:
             return False
         said = nomads_words(exc)
         return ActionError(action=kind, status=exc.status, message=said, since=self.clock())
+
+    def _asked_already(self, action: Scale, view: ModelView) -> bool:
+        """This watcher set the job to this count itself, and the pass's view of the job is
+        older than that call: asking again would make a second scaling event for nothing."""
+        known = self._scaled.get(action.job_id)
+        seen = as_int(view.job.get("JobModifyIndex")) if view.job is not None else 0
+        return known is not None and known[0] == action.count and seen < known[1]
 
     def _still_held(self, model: Model, action: Scale, view: ModelView) -> bool:
         held = self.held.get(model.name)
@@ -358,7 +370,7 @@ class Actor:
         self, model: Model, job_id: str, group: str, count: int, message: str
     ) -> list[dict[str, Any]]:
         """Every count the watcher writes goes through here, the lease checked before each call."""
-        return await asyncio.to_thread(
+        replies = await asyncio.to_thread(
             scale_replica,
             self.nomad,
             job_id,
@@ -368,6 +380,9 @@ class Actor:
             model,
             check_lease=self.leadership.check_lease,
         )
+        # Nomad's index for this count: a view of the job older than it has not seen it yet.
+        self._scaled[job_id] = (count, max((as_int(r.get("JobModifyIndex")) for r in replies), default=0))
+        return replies
 
     async def _park(self, model: Model, action: Park) -> None:
         # Read before anything is written (the pass already did; this is its cached answer), so
