@@ -29,7 +29,10 @@ def standin(start_standin: Callable[..., StandIn]) -> StandIn:
 
 
 def test_the_parse_endpoint_drops_an_undeclared_variable_as_nomads_does(standin: StandIn) -> None:
-    body = {"JobHCL": ROUTER.read_text(), "Variables": 'venv = "/opt/venv"\nconsul_addr = "http://c:8500"\nno_such = "x"\n'}
+    body = {
+        "JobHCL": ROUTER.read_text(),
+        "Variables": 'venv = "/opt/venv"\nconsul_addr = "http://c:8500"\nno_such = "x"\n',
+    }
     resp = httpx.post(f"{standin.url}/v1/jobs/parse", json=body, timeout=10)
     assert resp.status_code == 200, resp.text
     assert resp.json()["ID"] == "llmgw-router"
