@@ -161,6 +161,7 @@ class TaskRunner:
             task_dir=paths.task_dir(self.name),
             stdout=paths.log(self.name, "stdout"),
             stderr=paths.log(self.name, "stderr"),
+            node_attributes=(self.ar.node or {}).get("Attributes") or {},
         )
         try:
             handle = await start_task(self.driver, request, self.clock)
