@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 
 from devstack import processes
-from devstack.nomad.jobspec import parse_jobspec
+from devstack.nomad.jobspec import declared_variables, parse_jobspec, undefined_variable
 from devstack.ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -55,8 +55,13 @@ def hcl_variables(values: Mapping[str, object]) -> str:
 
 
 def parse_job(nomad_url: str, hcl_path: Path, variables: Mapping[str, object]) -> tuple[dict[str, Any], str]:
-    """The job's API JSON, and who parsed the HCL."""
-    body = {"JobHCL": hcl_path.read_text(), "Variables": hcl_variables(variables), "Canonicalize": True}
+    """The job's API JSON, and who parsed the HCL. Strict about undeclared variables on this
+    side, as `nomad job run` is (`-hcl2-strict`), since Nomad's `/v1/jobs/parse` only warns."""
+    text = hcl_path.read_text()
+    undeclared = sorted(set(variables) - declared_variables(text))
+    if undeclared:
+        raise ServiceError(f"Error parsing job file from {hcl_path}:\n{undefined_variable(undeclared[0])}")
+    body = {"JobHCL": text, "Variables": hcl_variables(variables), "Canonicalize": True}
     resp = httpx.post(f"{nomad_url}/v1/jobs/parse", json=body, timeout=30)
     if resp.status_code != 200:
         raise ServiceError(f"{hcl_path}: Nomad refused to parse it: {resp.status_code} {resp.text.strip()}")

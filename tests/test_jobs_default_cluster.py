@@ -77,7 +77,7 @@ def test_the_docs_tls_variables_file_runs_every_job_strictly(path: Path) -> None
 
 
 def test_an_undeclared_variable_is_still_refused() -> None:
-    with pytest.raises(JobspecError, match="undeclared variables no_such"):
+    with pytest.raises(JobspecError, match='Undefined variable; A "no_such" variable'):
         task_of(JOBS / "llmgw-router.nomad.hcl", {"no_such": "x"})
 
 

@@ -111,7 +111,7 @@ def test_parser_refuses_undeclared_and_missing_variables() -> None:
     text = 'variable "venv" {\n  type = string\n}\njob "x" {\n  type = "service"\n}\n'
     with pytest.raises(JobspecError, match="variable 'venv' has no default"):
         parse_jobspec(text)
-    with pytest.raises(JobspecError, match="undeclared variables other"):
+    with pytest.raises(JobspecError, match='Undefined variable; A "other" variable'):
         parse_jobspec(text, {"venv": "/v", "other": 1})
 
 

@@ -29,6 +29,7 @@ from devstack.consul_agent import ConsulAgent, ConsulAgentError
 from nomad_driver.spec import load_models
 from tests import acl_table as acl
 from tests import api_scan as scan
+from tests.fixtures.consul import ACL_MASTER_TOKEN, AclConsulAgent
 
 ROOT = Path(__file__).resolve().parent.parent
 MODULE = ROOT / "terraform"
@@ -397,25 +398,7 @@ def test_the_policy_check_fails_on_policies_that_are_too_wide_or_too_narrow() ->
 def acl_consul_agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ConsulAgent, str]]:
     """A Consul 1.8 dev agent with ACLs on, deny by default and the stricter KV list policy, so a
     recursive read needs `list` as on clusters that turn it on: (url, management token)."""
-    master = "llmgw-test-master-token"
-
-    class AclConsulAgent(ConsulAgent):
-        def command(self) -> list[str]:
-            hcl = (
-                'acl {\n enabled = true\n default_policy = "deny"\n enable_key_list_policy = true\n'
-                f' tokens {{\n  master = "{master}"\n  agent = "{master}"\n }}\n}}\n'
-            )
-            return [*super().command(), "-hcl", hcl]
-
-        def _ready(self, client: httpx.Client) -> bool:
-            leader = client.get(f"{self.url}/v1/status/leader")
-            if leader.status_code != 200 or not leader.json():
-                return False
-            checks = client.get(
-                f"{self.url}/v1/health/node/{self.node_name}", headers={"X-Consul-Token": master}
-            )
-            return checks.status_code == 200 and any(c.get("Status") == "passing" for c in checks.json())
-
+    master = ACL_MASTER_TOKEN
     try:
         agent = AclConsulAgent(log_dir=tmp_path_factory.mktemp("consul-acl"), die_with_parent=True).start()
     except ConsulAgentError as exc:

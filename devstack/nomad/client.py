@@ -26,7 +26,7 @@ from devstack.nomad import taskstate as ts
 from devstack.nomad.artifacts import ArtifactError, TemplateError, fetch_artifact, render_templates
 from devstack.nomad.clock import Clock
 from devstack.nomad.consul import Registration, ServiceRegistry, build_registration
-from devstack.nomad.consul_template import ServiceWatch
+from devstack.nomad.consul_template import NO_IDENTITY_TOKEN, ConsulLookupError, ServiceWatch
 from devstack.nomad.drivers import StartRequest, TaskHandle, sleep_unless, start_task
 from devstack.nomad.nodes import simulated_gpus_env
 from devstack.nomad.state import StateStore
@@ -161,6 +161,7 @@ class TaskRunner:
             task_dir=paths.task_dir(self.name),
             stdout=paths.log(self.name, "stdout"),
             stderr=paths.log(self.name, "stderr"),
+            node_attributes=(self.ar.node or {}).get("Attributes") or {},
         )
         try:
             handle = await start_task(self.driver, request, self.clock)
@@ -225,7 +226,10 @@ class TaskRunner:
     async def _service_lookups(self, templates: list[Json]) -> dict[str, list[tuple[str, int]]]:
         """Answers for the templates' Consul `service` lookups, watched from here on so that a
         change restarts the task (a multi-node replica's leader and its shards)."""
-        watch = self._service_watch = ServiceWatch(templates)
+        # Only a task (or group) with a `consul` block gets a Consul identity, hence a token;
+        # the stand-in's own token stands in for the one Nomad derives from that identity.
+        has_identity = self.task.get("Consul") is not None or self.ar.group.get("Consul") is not None
+        watch = self._service_watch = ServiceWatch(templates, None if has_identity else NO_IDENTITY_TOKEN)
         if not watch.queries:
             return {}
         registry = self.ar.client.registry
@@ -235,6 +239,8 @@ class TaskRunner:
             seen = await watch.first(registry._http())
         except httpx.HTTPError as exc:
             raise TemplateError(f"Consul service lookup failed: {exc}") from exc
+        except ConsulLookupError as exc:
+            raise TemplateError(str(exc)) from exc
 
         async def restart() -> None:
             await self.restart("template with change_mode restart re-rendered", failure=False)

@@ -137,18 +137,34 @@ def _render(
     return "".join(out), pos
 
 
-async def resolve(client: httpx.AsyncClient, queries: Sequence[str]) -> dict[str, list[Instance]]:
+# What the template hook hands consul-template for a task without a Consul identity
+# (client/allocrunner/taskrunner/template_hook.go), so it never falls back to the agent's token.
+NO_IDENTITY_TOKEN = "invalid-token"
+
+
+class ConsulLookupError(Exception):
+    """Consul refused a lookup; the text is consul-template's (dependency, then the API error)."""
+
+
+async def resolve(
+    client: httpx.AsyncClient, queries: Sequence[str], token: str | None = None
+) -> dict[str, list[Instance]]:
     """Each query's passing instances from Consul's health endpoint, sorted as consul-template
     sorts them (by node, then service ID: here address and port), so an unchanged set renders
-    the same text and restarts nothing."""
+    the same text and restarts nothing. `token` replaces the client's own when given."""
     answers: dict[str, list[Instance]] = {}
+    headers = {"X-Consul-Token": token} if token is not None else {}
     for query in queries:
         name, tag = split_query(query)
         params: dict[str, Any] = {"passing": "1"}
         if tag:
             params["tag"] = tag
-        resp = await client.get(f"/v1/health/service/{name}", params=params)
-        resp.raise_for_status()
+        resp = await client.get(f"/v1/health/service/{name}", params=params, headers=headers)
+        if resp.status_code != 200:
+            raise ConsulLookupError(
+                f"health.service({query}|passing): Unexpected response code: "
+                f"{resp.status_code} ({resp.text.strip()})"
+            )
         found = []
         for entry in resp.json() or []:
             service = entry.get("Service") or {}
@@ -166,7 +182,8 @@ class ServiceWatch:
     templates says `change_mode = "restart"`, the task is restarted (not as a failure: Nomad
     does not count template restarts against the restart policy) and renders afresh."""
 
-    def __init__(self, templates: Sequence[Mapping[str, Any]]) -> None:
+    def __init__(self, templates: Sequence[Mapping[str, Any]], token: str | None = None) -> None:
+        self.token = token
         self.queries: list[str] = []
         for tmpl in templates:
             for query in lookups(str(tmpl.get("EmbeddedTmpl") or "")):
@@ -179,7 +196,7 @@ class ServiceWatch:
         self._task: Any = None
 
     async def first(self, client: httpx.AsyncClient) -> dict[str, list[Instance]]:
-        return await resolve(client, self.queries) if self.queries else {}
+        return await resolve(client, self.queries, self.token) if self.queries else {}
 
     def start(
         self,
@@ -198,8 +215,8 @@ class ServiceWatch:
             while True:
                 await asyncio.sleep(POLL_REAL_SECONDS)
                 try:
-                    now = await resolve(client, self.queries)
-                except httpx.HTTPError:
+                    now = await resolve(client, self.queries, self.token)
+                except (httpx.HTTPError, ConsulLookupError):
                     continue
                 if now != seen and running():
                     await restart()

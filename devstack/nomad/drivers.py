@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from devstack.lifetime import die_with_parent
+from devstack.nomad import docker
 from devstack.nomad.clock import Clock
 from devstack.nomad.encode import duration_ns
 from devstack.nomad.taskstate import ExitResult, StartError
@@ -23,7 +24,9 @@ from devstack.nomad.taskstate import ExitResult, StartError
 Json = dict[str, Any]
 
 PROCESS_DRIVERS = ("raw_exec", "exec")
-DRIVERS = (*PROCESS_DRIVERS, "mock_driver")
+DRIVERS = (*PROCESS_DRIVERS, "mock_driver", "docker")
+# A container-less docker task runs until stopped (docker.py); ten years is "until stopped".
+_UNTIL_STOPPED_NS = 10 * 365 * 24 * 3600 * 10**9
 
 
 class TaskHandle(Protocol):
@@ -45,6 +48,7 @@ class StartRequest:
     stdout: Path
     stderr: Path
     extra: Json = field(default_factory=dict)
+    node_attributes: dict[str, str] = field(default_factory=dict)
 
 
 async def sleep_unless(clock: Clock, event: asyncio.Event, seconds: float) -> bool:
@@ -256,4 +260,11 @@ async def start_task(driver: str, req: StartRequest, clock: Clock) -> TaskHandle
         return await start_raw_exec(req, clock)
     if driver == "mock_driver":
         return await start_mock(req, clock)
+    if driver == "docker":
+        task_dir = req.task_dir
+        refused = docker.start_error(req.config, req.node_attributes, str(task_dir.parent), str(task_dir))
+        if refused:
+            # A plain error from the plugin: not recoverable, so the task is not restarted.
+            raise StartError(refused)
+        return MockHandle(req, clock, _UNTIL_STOPPED_NS, 0)
     raise StartError(f'failed to start task: driver "{driver}" is not available on this client')

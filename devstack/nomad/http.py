@@ -9,7 +9,7 @@ from typing import Any
 
 from aiohttp import web
 
-from devstack.nomad import deployments, namespaces
+from devstack.nomad import deployments, namespaces, variables
 from devstack.nomad.encode import alloc_stub, job_stub
 from devstack.nomad.httpbase import (
     HEARTBEAT_KEY,
@@ -624,4 +624,5 @@ def make_app(
     route("GET", "/v1/event/stream", event_stream)
     route("GET", "/v1/client/fs/logs/{alloc}", fs_logs)
     route("*", "/v1/devstack/node", devstack_node)
+    variables.add_routes(app)
     return app

@@ -451,7 +451,23 @@ def parse_variables_file(text: str) -> dict[str, Any]:
     return {k: ev.value(v, f"variables.{k}") for k, v in raw.items()}
 
 
-def parse_jobspec(text: str, variables: dict[str, Any] | None = None) -> Json:
+def undefined_variable(name: str) -> str:
+    """jobspec2's diagnostic for a value given to an undeclared variable, as hcl prints it."""
+    return (
+        f'<nil>: Undefined variable; A "{name}" variable was set but was not found in known '
+        f'variables. To declare variable "{name}", place this block in your job files'
+    )
+
+
+def declared_variables(text: str) -> set[str]:
+    try:
+        return {name for name, _ in _blocks(hcl2.loads(text), "variable") if name}
+    except Exception as exc:
+        raise JobspecError(f"Failed to parse job: {exc}") from exc
+
+
+def parse_jobspec(text: str, variables: dict[str, Any] | None = None, *, strict: bool = True) -> Json:
+    """`strict` as `nomad job run`'s `-hcl2-strict` (its default); `/v1/jobs/parse` is not."""
     if not text.strip():
         raise JobspecError("Job spec is empty")
     try:
@@ -470,9 +486,9 @@ def parse_jobspec(text: str, variables: dict[str, Any] | None = None) -> Json:
             values[name] = _Evaluator({}).value(block["default"], f"variable.{name}.default")
         else:
             raise JobspecError(f"Failed to parse job: variable {name!r} has no default and was not given")
-    undeclared = set(given) - declared
-    if undeclared:
-        raise JobspecError(f"Failed to parse job: undeclared variables {', '.join(sorted(undeclared))}")
+    undeclared = sorted(set(given) - declared)
+    if undeclared and strict:
+        raise JobspecError(f"Failed to parse job: {undefined_variable(undeclared[0])}")
     jobs = _blocks(body, "job")
     if len(jobs) != 1:
         raise JobspecError(f"Failed to parse job: expected one job block, found {len(jobs)}")

@@ -21,6 +21,7 @@ A fleet file is either a list of node entries or `{nodes: [...]}`:
       drain: false              # a draining node is also ineligible, as in Nomad
       reserved: {cpu_mhz: 0, memory_mib: 0, disk_mb: 0}
       attributes: {driver.raw_exec: "1"}
+      plugins: {docker: {config: {volumes: {enabled: true}}}}   # as a client's plugin "docker" block
       meta: {llmgw_gpu_class: h100}
       gpus:
         - model: NVIDIA H100 80GB HBM3
@@ -45,6 +46,7 @@ from typing import Any
 import yaml
 
 from devstack.nomad.attributes import int_attr, string_attr
+from devstack.nomad.docker import PluginConfigError, plugin_attributes
 
 Json = dict[str, Any]
 
@@ -59,7 +61,7 @@ _NODE_NS = uuid.UUID("6a1f4f8e-3d2b-4c47-9a3e-6c1b4f0e9d21")
 
 _NODE_KEYS = {
     "name", "datacenter", "node_pool", "node_class", "cpu_mhz", "cpu_cores", "memory_mib", "disk_mb",
-    "status", "eligibility", "drain", "reserved", "attributes", "meta", "gpus", "http_addr",
+    "status", "eligibility", "drain", "reserved", "attributes", "meta", "gpus", "http_addr", "plugins",
 }  # fmt: skip
 _GPU_KEYS = {
     "model", "memory_mib", "count", "unhealthy", "lost", "power_w", "bar1_mib", "driver_version",
@@ -307,6 +309,10 @@ def node_from_spec(spec: dict[str, Any]) -> Json:
         "unique.storage.bytestotal": str(disk_mb * 1024 * 1024),
         "unique.storage.volume": "/dev/nvme0n1p1",
     }
+    try:
+        attributes.update(plugin_attributes(spec.get("plugins"), where))
+    except PluginConfigError as exc:
+        raise NodeSpecError(str(exc)) from None
     attributes.update(given)
 
     node: Json = {

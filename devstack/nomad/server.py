@@ -645,7 +645,8 @@ class NomadServer:
             raise ApiError(400, "Job spec is empty")
         try:
             variables = parse_variables_file(str(body.get("Variables") or ""))
-            job = parse_jobspec(text, variables)
+            # Lenient as Nomad's endpoint: its ParseConfig leaves Strict false (job_endpoint.go).
+            job = parse_jobspec(text, variables, strict=False)
         except JobspecError as exc:
             message = str(exc)
             if not message.startswith("Failed to parse job"):

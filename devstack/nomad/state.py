@@ -33,6 +33,7 @@ TABLES = (
     "scaling_event",
     "scheduler_config",
     "namespaces",
+    "variables",
     deployments.TABLE,
 )
 
@@ -81,6 +82,8 @@ class StateStore:
         self.deployments: dict[str, Json] = {}
         # Filled by the server with `default`, which Nomad creates at index 1.
         self.namespaces: dict[str, Json] = {}
+        # Nomad Variables by (namespace, path); written by variables.py.
+        self.variables: dict[tuple[str, str], Json] = {}
         self._deployments_by_job: dict[tuple[str, str], dict[str, Json]] = {}
         # Secondary indexes, as memdb keeps them: a job's or a node's allocations must not cost a
         # scan of every allocation, or a fleet of a thousand jobs answers slower with each one.

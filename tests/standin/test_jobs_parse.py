@@ -110,8 +110,9 @@ def test_parse_errors(standin: StandIn) -> None:
     assert (empty.status_code, empty.text) == (400, "Job spec is empty")
     broken = parse(standin, {"JobHCL": 'job "x" { group "g" {'})
     assert broken.status_code == 400 and broken.text.startswith("Failed to parse job: ")
+    # Not strict, as Nomad's endpoint is not (test_strict_variables.py): the value is dropped.
     undeclared = parse(standin, {"JobHCL": 'job "x" {\n}\n', "Variables": 'nope = "1"\n'})
-    assert undeclared.status_code == 400 and "nope" in undeclared.text
+    assert undeclared.status_code == 200, undeclared.text
     assert httpx.get(f"{standin.url}/v1/jobs/parse").status_code == 405
 
 

@@ -1,0 +1,3 @@
+key "llmgw/config/models" {
+  policy = "write"
+}

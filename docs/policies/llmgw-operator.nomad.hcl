@@ -1,0 +1,6 @@
+namespace "default" {
+  capabilities = ["list-jobs", "read-job", "submit-job"]
+}
+node {
+  policy = "read"
+}

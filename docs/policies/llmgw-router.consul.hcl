@@ -1,0 +1,23 @@
+key_prefix "llmgw/state/" {
+  policy = "list"
+}
+
+key "llmgw/config/models" {
+  policy = "read"
+}
+
+key_prefix "llmgw/activity/" {
+  policy = "write"
+}
+
+key_prefix "llmgw/inflight/" {
+  policy = "write"
+}
+
+service "llmgw-engine" {
+  policy = "read"
+}
+
+node_prefix "" {
+  policy = "read"
+}

@@ -1,0 +1,7 @@
+namespace "default" {
+  capabilities = ["list-jobs", "read-job", "submit-job", "read-logs"]
+}
+
+node {
+  policy = "read"
+}
