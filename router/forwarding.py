@@ -142,14 +142,17 @@ class Forwarder:
                     ) from exc
                 except RequestLost as exc:
                     self._connection_failed(replica, "closed", str(exc))
-                    raise RouterError(
-                        502,
-                        exc.code,
+                    detail = (
                         f"replica {replica.name} of model '{model}' {exc}; it was not sent again, "
                         "since the engine may have acted on it (a request that crashes its engine "
-                        "would crash every replica); retry only if that is safe",
-                        type_="server_error",
-                        headers=errors.NO_RETRY,
+                        "would crash every replica); retry only if that is safe"
+                    )
+                    if exc.code == "upstream_invalid":
+                        raise RouterError(
+                            502, "upstream_invalid", detail, type_="server_error", headers=errors.NO_RETRY
+                        ) from exc
+                    raise RouterError(
+                        502, "upstream_closed", detail, type_="server_error", headers=errors.NO_RETRY
                     ) from exc
                 try:
                     if assembled and resp.status == 200 and resp.content_type == "text/event-stream":
