@@ -14,6 +14,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from devstack.nomad import acl_http
 from devstack.nomad.clock import Clock
 from devstack.nomad.gc import GCConfig
 from devstack.nomad.http import make_app
@@ -59,6 +60,11 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
         parser.add_argument(
             flag, type=_duration, default=default, help=f"{meaning} (e.g. 1h; default {default:g}s)"
         )
+    parser.add_argument(
+        "--acl-bootstrap-token",
+        default=None,
+        help="turn Nomad ACLs on, with this secret as the management token (off by default)",
+    )
     parser.add_argument("--log-level", default="INFO")
     return parser.parse_args(argv)
 
@@ -77,6 +83,8 @@ async def _serve(args: argparse.Namespace, data_dir: Path) -> None:
     server = NomadServer(nodes, args.consul, data_dir, Clock(args.clock_speed), gc)
     await server.start()
     app = make_app(server, args.listen, event_heartbeat_s=args.event_heartbeat)
+    if args.acl_bootstrap_token:
+        acl_http.enable(app, args.acl_bootstrap_token)
     # Open log-follow and event streams must not hold the exit up for aiohttp's default minute.
     runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=2.0)
     await runner.setup()

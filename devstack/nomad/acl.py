@@ -1,0 +1,294 @@
+"""Nomad ACLs: policies, tokens and what a token may do, as hashicorp/nomad does it.
+
+Sources: acl/policy.go (the rule language, `expandNamespacePolicy`, the capability names and the
+valid policies), acl/acl.go (how several policies merge: namespace capabilities add up, `deny`
+wins; node/agent/operator take the strongest; a namespace rule matches exactly before the closest
+glob), nomad/structs/structs.go (`ACLPolicy`, `ACLPolicyListStub`, `ACLToken` and their JSON, the
+policy name rule) and nomad/structs/errors.go (the error texts). The stand-in understands what
+llmgw's policies use; a rule it does not (variables, host volumes, plugins, quota) is refused at
+write time, so a policy never quietly means less here than on a real cluster.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import hcl2
+
+from devstack.nomad.encode import rfc3339
+
+Json = dict[str, Any]
+
+ERR_PERMISSION_DENIED = "Permission denied"  # structs.ErrPermissionDenied
+ERR_TOKEN_NOT_FOUND = "ACL token not found"  # structs.ErrTokenNotFound
+
+POLICY_DENY, POLICY_READ, POLICY_WRITE, POLICY_SCALE = "deny", "read", "write", "scale"
+_RANK = {POLICY_DENY: -1, "": 0, POLICY_READ: 1, POLICY_WRITE: 2}
+VALID_POLICY_NAME = re.compile(r"[a-zA-Z0-9-]{1,128}")  # structs.validPolicyName
+ANONYMOUS_POLICY = "anonymous"  # the policy Nomad applies to requests without a token
+
+# acl/policy.go `expandNamespacePolicy` (Nomad 1.10): `read`, then what `write` adds.
+_READ = [
+    "list-jobs",
+    "parse-job",
+    "read-job",
+    "csi-list-volume",
+    "csi-read-volume",
+    "read-job-scaling",
+    "list-scaling-policies",
+    "read-scaling-policy",
+    "host-volume-read",
+]
+_WRITE = [
+    *_READ,
+    "scale-job",
+    "submit-job",
+    "dispatch-job",
+    "read-logs",
+    "read-fs",
+    "alloc-exec",
+    "alloc-lifecycle",
+    "csi-mount-volume",
+    "csi-write-volume",
+    "submit-recommendation",
+    "host-volume-create",
+]
+_SCALE = ["list-scaling-policies", "read-scaling-policy", "read-job-scaling", "scale-job"]
+# acl/policy.go `isNamespaceCapabilityValid`.
+NAMESPACE_CAPABILITIES = frozenset(
+    [
+        *_WRITE,
+        "deny",
+        "alloc-node-exec",
+        "csi-register-plugin",
+        "sentinel-override",
+        "host-volume-register",
+        "host-volume-write",
+        "host-volume-delete",
+    ]
+)
+_SIMPLE_BLOCKS = ("node", "agent", "operator")
+_UNSUPPORTED = ("quota", "plugin", "host_volume", "node_pool")
+
+
+class PolicyError(ValueError):
+    pass
+
+
+def expand_namespace_policy(policy: str) -> list[str]:
+    return {
+        POLICY_DENY: ["deny"],
+        POLICY_READ: list(_READ),
+        POLICY_WRITE: list(_WRITE),
+        POLICY_SCALE: list(_SCALE),
+    }.get(policy, [])
+
+
+@dataclass
+class Rules:
+    """One policy's rules: capabilities per namespace (a name or a glob), and the simple blocks."""
+
+    namespaces: dict[str, set[str]] = field(default_factory=dict)
+    simple: dict[str, str] = field(default_factory=dict)
+
+
+def _text(value: Any) -> str:
+    text = str(value)
+    return text[1:-1] if len(text) >= 2 and text[0] == text[-1] == '"' else text
+
+
+def parse_rules(rules: str) -> Rules:
+    """acl.Parse for the subset llmgw needs; anything else is an error, never ignored."""
+    try:
+        body = hcl2.loads(rules)
+    except Exception as exc:  # python-hcl2 raises lark's errors of several types
+        raise PolicyError(f"Failed to parse ACL Policy: {exc}") from None
+    parsed = Rules()
+    for key, items in body.items():
+        if key == "namespace":
+            for item in items:
+                for label, block in item.items():
+                    name = _text(label)
+                    parsed.namespaces.setdefault(name, set()).update(_namespace_caps(name, block))
+        elif key in _SIMPLE_BLOCKS:
+            for block in items:
+                policy = _text(block.get("policy", ""))
+                extra = set(block) - {"policy", "__is_block__"}
+                if policy not in (POLICY_DENY, POLICY_READ, POLICY_WRITE) or extra:
+                    raise PolicyError(f"Invalid {key} policy: {policy!r}")
+                parsed.simple[key] = _stronger(parsed.simple.get(key, ""), policy)
+        elif key in _UNSUPPORTED:
+            raise PolicyError(f"the stand-in does not implement {key!r} rules; use a real Nomad for them")
+        else:
+            raise PolicyError(f"Failed to parse ACL Policy: unexpected key {key!r}")
+    if not parsed.namespaces and not parsed.simple:
+        raise PolicyError("Invalid policy: no rules")  # Parse's `p.IsEmpty()`
+    return parsed
+
+
+def _namespace_caps(name: str, block: Json) -> set[str]:
+    extra = set(block) - {"policy", "capabilities", "__is_block__"}
+    if extra:
+        # `variables` paths are real Nomad rules the stand-in does not model yet.
+        raise PolicyError(f"the stand-in does not implement {sorted(extra)} in namespace {name!r}")
+    policy = _text(block.get("policy", ""))
+    if policy and policy not in (POLICY_DENY, POLICY_READ, POLICY_WRITE, POLICY_SCALE):
+        raise PolicyError(f"Invalid namespace policy: {policy!r} in namespace {name!r}")
+    caps = set(expand_namespace_policy(policy))
+    for cap in block.get("capabilities", []) or []:
+        cap = _text(cap)
+        if cap not in NAMESPACE_CAPABILITIES:
+            raise PolicyError(f"Invalid namespace capability '{cap}' in namespace {name!r}")
+        caps.add(cap)
+    return caps
+
+
+def _stronger(a: str, b: str) -> str:
+    if POLICY_DENY in (a, b):
+        return POLICY_DENY
+    return a if _RANK[a] >= _RANK[b] else b
+
+
+class ACL:
+    """acl.ACL: the merged rules of a token's policies; a management token may do anything."""
+
+    def __init__(self, policies: list[Rules], management: bool = False) -> None:
+        self.management = management
+        self.namespaces: dict[str, set[str]] = {}
+        self.simple: dict[str, str] = {}
+        for rules in policies:
+            for name, caps in rules.namespaces.items():
+                self.namespaces.setdefault(name, set()).update(caps)
+            for key, policy in rules.simple.items():
+                self.simple[key] = _stronger(self.simple.get(key, ""), policy)
+
+    def _caps(self, namespace: str) -> set[str]:
+        if namespace in self.namespaces:
+            return self.namespaces[namespace]
+        # acl.findClosestMatchingGlob: the glob that leaves the fewest characters unmatched.
+        best: tuple[int, str] | None = None
+        for pattern in self.namespaces:
+            if "*" in pattern and _glob(pattern, namespace):
+                score = len(namespace) - len(pattern.replace("*", ""))
+                if best is None or score < best[0]:
+                    best = (score, pattern)
+        return self.namespaces[best[1]] if best else set()
+
+    def allow_ns_op(self, namespace: str, *capabilities: str) -> bool:
+        """AllowNsOp, or AllowNsOpAny with several: a `deny` capability beats everything."""
+        if self.management:
+            return True
+        caps = self._caps(namespace)
+        return "deny" not in caps and any(c in caps for c in capabilities)
+
+    def allow_namespace(self, namespace: str) -> bool:
+        caps = self._caps(namespace)
+        return self.management or (bool(caps) and "deny" not in caps)
+
+    def allow(self, block: str, level: str) -> bool:
+        """AllowNodeRead/Write, AllowAgentRead/Write, AllowOperatorRead/Write."""
+        return self.management or _RANK[self.simple.get(block, "")] >= _RANK[level]
+
+
+def _glob(pattern: str, text: str) -> bool:
+    return re.fullmatch(".*".join(re.escape(p) for p in pattern.split("*")), text) is not None
+
+
+def _hash(*parts: Any) -> str:
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=32).digest()
+    return base64.b64encode(digest).decode()
+
+
+class AclState:
+    """The ACL tables (policies by name, tokens by secret), indexed with the rest of the store."""
+
+    def __init__(self, store: Any, bootstrap_secret: str) -> None:
+        self.store = store
+        self.policies: dict[str, Json] = {}
+        self.rules: dict[str, Rules] = {}
+        self.tokens: dict[str, Json] = {}
+        self.create_token({"Name": "Bootstrap Token", "Type": "management"}, secret=bootstrap_secret)
+
+    def _raise_index(self) -> int:
+        # An ACL write is a raft write in Nomad: it takes the next index. Nothing blocks on the
+        # ACL tables here, so no table wakes up.
+        self.store.index += 1
+        return int(self.store.index)
+
+    def upsert_policy(self, policy: Json) -> int:
+        name = str(policy.get("Name") or "")
+        if not VALID_POLICY_NAME.fullmatch(name):
+            raise PolicyError(f"policy 0 invalid: invalid name '{name}'")
+        rules_text = str(policy.get("Rules") or "")
+        try:
+            rules = parse_rules(rules_text)
+        except PolicyError as exc:
+            raise PolicyError(f"policy 0 invalid: failed to parse rules: {exc}") from None
+        index = self._raise_index()
+        old = self.policies.get(name)
+        description = str(policy.get("Description") or "")
+        self.policies[name] = {
+            "Name": name,
+            "Description": description,
+            "Rules": rules_text,
+            "JobACL": policy.get("JobACL"),
+            "Hash": _hash(name, description, rules_text),
+            "CreateIndex": old["CreateIndex"] if old else index,
+            "ModifyIndex": index,
+        }
+        self.rules[name] = rules
+        return index
+
+    def delete_policy(self, name: str) -> int:
+        self.policies.pop(name, None)
+        self.rules.pop(name, None)
+        return self._raise_index()
+
+    def create_token(self, token: Json, secret: str | None = None) -> Json:
+        kind = token.get("Type") or "client"
+        policies = list(token.get("Policies") or [])
+        # structs.ACLToken.Validate's texts.
+        if kind not in ("client", "management"):
+            raise PolicyError("token type must be client or management")
+        if kind == "client" and not policies and not token.get("Roles"):
+            raise PolicyError("client token missing policies or roles")
+        if kind == "management" and policies:
+            raise PolicyError("management token cannot be associated with policies or roles")
+        index = self._raise_index()
+        created: Json = {
+            "AccessorID": str(uuid.uuid4()),
+            "SecretID": secret or str(uuid.uuid4()),
+            "Name": str(token.get("Name") or ""),
+            "Type": kind,
+            "Policies": policies or None,
+            "Roles": None,
+            "Global": bool(token.get("Global")),
+            "Hash": "",
+            "CreateTime": rfc3339(time.time_ns()),
+            "ExpirationTime": None,
+            "ExpirationTTL": 0,
+            "CreateIndex": index,
+            "ModifyIndex": index,
+        }
+        created["Hash"] = _hash(created["Name"], kind, policies, created["Global"])
+        self.tokens[created["SecretID"]] = created
+        return created
+
+    def resolve(self, secret: str) -> tuple[Json | None, ACL]:
+        """(token, ACL) for a secret; no secret is the anonymous token. Raises on an unknown one."""
+        if not secret:
+            anonymous = [self.rules[ANONYMOUS_POLICY]] if ANONYMOUS_POLICY in self.rules else []
+            return None, ACL(anonymous)
+        token = self.tokens.get(secret)
+        if token is None:
+            raise LookupError(ERR_TOKEN_NOT_FOUND)
+        if token["Type"] == "management":
+            return token, ACL([], management=True)
+        # A policy deleted after the token was made simply grants nothing, as in Nomad.
+        return token, ACL([self.rules[p] for p in token["Policies"] or [] if p in self.rules])
