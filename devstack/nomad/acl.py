@@ -1,6 +1,6 @@
 """Nomad ACLs: policies, tokens and what a token may do, as hashicorp/nomad does it.
 
-Sources: acl/policy.go (the rule language, `expandNamespacePolicy`, the capability names and the
+Sources (hashicorp/nomad 2.0.6-dev, commit aa026cc): acl/policy.go (the rule language, `expandNamespacePolicy`, the capability names and the
 valid policies), acl/acl.go (how several policies merge: namespace capabilities add up, `deny`
 wins; node/agent/operator take the strongest; a namespace rule matches exactly before the closest
 glob), nomad/structs/structs.go (`ACLPolicy`, `ACLPolicyListStub`, `ACLToken` and their JSON, the
@@ -33,7 +33,7 @@ _RANK = {POLICY_DENY: -1, "": 0, POLICY_READ: 1, POLICY_WRITE: 2}
 VALID_POLICY_NAME = re.compile(r"[a-zA-Z0-9-]{1,128}")  # structs.validPolicyName
 ANONYMOUS_POLICY = "anonymous"  # the policy Nomad applies to requests without a token
 
-# acl/policy.go `expandNamespacePolicy` (Nomad 1.10): `read`, then what `write` adds.
+# acl/policy.go `expandNamespacePolicy`: `read`, then what `write` adds.
 _READ = [
     "list-jobs",
     "parse-job",
@@ -59,7 +59,14 @@ _WRITE = [
     "submit-recommendation",
     "host-volume-create",
 ]
-_SCALE = ["list-scaling-policies", "read-scaling-policy", "read-job-scaling", "scale-job"]
+_SCALE = [
+    "list-scaling-policies",
+    "read-scaling-policy",
+    "read-job-scaling",
+    "scale-job",
+    "read-job",
+    "submit-recommendation",
+]
 # acl/policy.go `isNamespaceCapabilityValid`.
 NAMESPACE_CAPABILITIES = frozenset(
     [
@@ -71,14 +78,39 @@ NAMESPACE_CAPABILITIES = frozenset(
         "host-volume-register",
         "host-volume-write",
         "host-volume-delete",
+        # The fine-grained job and deployment capabilities that `submit-job` also covers.
+        "register-job",
+        "revert-job",
+        "deregister-job",
+        "purge-job",
+        "evaluate-job",
+        "plan-job",
+        "tag-job-version",
+        "stable-job",
+        "fail-deployment",
+        "pause-deployment",
+        "promote-deployment",
+        "unblock-deployment",
+        "cancel-deployment",
+        "set-alloc-health-deployment",
+        "gc-allocation",
+        "pause-allocation",
+        "force-periodic-job",
+        "delete-service-registration",
     ]
 )
 _SIMPLE_BLOCKS = ("node", "agent", "operator")
-_UNSUPPORTED = ("quota", "plugin", "host_volume", "node_pool")
+_UNSUPPORTED = ("quota", "plugin", "host_volume", "node_pool", "sentinel")
 
 
 class PolicyError(ValueError):
     pass
+
+
+def multierror(*errors: str) -> str:
+    """go-multierror's text, which Nomad's Validate methods return as is."""
+    points = "".join(f"\t* {e}\n" for e in errors)
+    return f"{len(errors)} error{'s' if len(errors) > 1 else ''} occurred:\n{points}\n"
 
 
 def expand_namespace_policy(policy: str) -> list[str]:
@@ -120,15 +152,18 @@ def parse_rules(rules: str) -> Rules:
             for block in items:
                 policy = _text(block.get("policy", ""))
                 extra = set(block) - {"policy", "__is_block__"}
-                if policy not in (POLICY_DENY, POLICY_READ, POLICY_WRITE) or extra:
+                if extra:
+                    # operator `capabilities` (snapshot-save and the like) llmgw never grants
+                    raise PolicyError(f"the stand-in does not implement {sorted(extra)} in {key!r}")
+                if policy not in (POLICY_DENY, POLICY_READ, POLICY_WRITE):
                     raise PolicyError(f"Invalid {key} policy: {policy!r}")
                 parsed.simple[key] = _stronger(parsed.simple.get(key, ""), policy)
         elif key in _UNSUPPORTED:
             raise PolicyError(f"the stand-in does not implement {key!r} rules; use a real Nomad for them")
         else:
-            raise PolicyError(f"Failed to parse ACL Policy: unexpected key {key!r}")
+            raise PolicyError(f"Invalid or duplicate policy keys: [{key}]")
     if not parsed.namespaces and not parsed.simple:
-        raise PolicyError("Invalid policy: no rules")  # Parse's `p.IsEmpty()`
+        raise PolicyError(f"Invalid policy: {rules}")  # Parse's `p.IsEmpty()`
     return parsed
 
 
@@ -222,14 +257,16 @@ class AclState:
         return int(self.store.index)
 
     def upsert_policy(self, policy: Json) -> int:
+        # nomad/acl_endpoint.go UpsertPolicies: "policy %d invalid: %v" of ACLPolicy.Validate.
         name = str(policy.get("Name") or "")
-        if not VALID_POLICY_NAME.fullmatch(name):
-            raise PolicyError(f"policy 0 invalid: invalid name '{name}'")
         rules_text = str(policy.get("Rules") or "")
+        errors = [] if VALID_POLICY_NAME.fullmatch(name) else [f"invalid name '{name}'"]
         try:
             rules = parse_rules(rules_text)
         except PolicyError as exc:
-            raise PolicyError(f"policy 0 invalid: failed to parse rules: {exc}") from None
+            errors.append(f"failed to parse rules: {exc}")
+        if errors:
+            raise PolicyError(f"policy 0 invalid: {multierror(*errors)}")
         index = self._raise_index()
         old = self.policies.get(name)
         description = str(policy.get("Description") or "")
@@ -237,6 +274,8 @@ class AclState:
             "Name": name,
             "Description": description,
             "Rules": rules_text,
+            # Nomad fills this from Rules on read (acl.Policy); the stand-in does not model it.
+            "RulesJSON": None,
             "JobACL": policy.get("JobACL"),
             "Hash": _hash(name, description, rules_text),
             "CreateIndex": old["CreateIndex"] if old else index,
@@ -253,13 +292,16 @@ class AclState:
     def create_token(self, token: Json, secret: str | None = None) -> Json:
         kind = token.get("Type") or "client"
         policies = list(token.get("Policies") or [])
-        # structs.ACLToken.Validate's texts.
+        # structs.ACLToken.Validate's texts, wrapped as ACL.UpsertTokens wraps them.
+        error = None
         if kind not in ("client", "management"):
-            raise PolicyError("token type must be client or management")
-        if kind == "client" and not policies and not token.get("Roles"):
-            raise PolicyError("client token missing policies or roles")
-        if kind == "management" and policies:
-            raise PolicyError("management token cannot be associated with policies or roles")
+            error = "token type must be client or management"
+        elif kind == "client" and not policies and not token.get("Roles"):
+            error = "client token missing policies or roles"
+        elif kind == "management" and policies:
+            error = "management token cannot be associated with policies or roles"
+        if error:
+            raise PolicyError(f"token 0 invalid: {multierror(error)}")
         index = self._raise_index()
         created: Json = {
             "AccessorID": str(uuid.uuid4()),

@@ -5,19 +5,24 @@ The token comes as command/agent/http.go `parseToken` reads it: `X-Nomad-Token` 
 not found", a token without the capability 403 "Permission denied" (`errCodeFromHandler`).
 
 The capability each endpoint needs is in ENDPOINTS below, each taken from the RPC handler that
-the HTTP endpoint calls in hashicorp/nomad (Nomad 1.10):
+the HTTP endpoint calls in hashicorp/nomad 2.0.6-dev (commit aa026cc):
 - nomad/job_endpoint.go: Job.List `list-jobs`; GetJob, Allocations, Evaluations, Deployments,
-  LatestDeployment, Summary, GetJobVersions `read-job`; Register, Deregister, Plan, Evaluate
-  `submit-job`; Scale `scale-job` or `submit-job`; ScaleStatus `read-job-scaling` or `read-job`;
-  Dispatch `dispatch-job`; Validate `read-job`.
+  LatestDeployment, Summary, GetJobVersions, Validate `read-job`; Register `submit-job` or
+  `register-job`; Deregister `submit-job`, `purge-job` or `deregister-job`; Plan `submit-job`
+  or `plan-job`; Evaluate `submit-job` or `evaluate-job`; Scale `scale-job` or `submit-job`;
+  ScaleStatus `read-job-scaling` or `read-job`; Dispatch `dispatch-job`; periodic.go Force
+  `submit-job` or `force-periodic-job`.
 - command/agent/job_endpoint.go `JobsParseRequest`: `parse-job` or `submit-job`.
 - nomad/alloc_endpoint.go, eval_endpoint.go, deployment_endpoint.go (reads): `read-job`;
-  Alloc.Stop `alloc-lifecycle`; Deployment.Fail/Pause/Promote `submit-job`.
+  Alloc.Stop `alloc-lifecycle`; Deployment.Fail/Pause/Promote `submit-job` or
+  `fail-`/`pause-`/`promote-deployment`.
 - nomad/node_endpoint.go: List and GetNode `AllowNodeRead`, drain and eligibility
-  `AllowNodeWrite`; client/node_meta_endpoint.go: Read `AllowNodeRead`, Apply `AllowNodeWrite`.
-- client/fs_endpoint.go `logs`: `read-logs` in the allocation's namespace.
-- nomad/event_endpoint.go `validateNsOp`: Job/Allocation/Evaluation/Deployment/Service topics
-  `read-job`, Node `AllowNodeRead`, any other (and `*`) management only.
+  `AllowNodeWrite`; nomad/client_meta_endpoint.go: Read `AllowNodeRead`, Apply `AllowNodeWrite`.
+- client/fs_endpoint.go `logs`: `read-fs` or `read-logs` in the allocation's namespace.
+- nomad/event_endpoint.go `validateNsOp`: Job/Allocation/Evaluation/Deployment/Service and
+  CSIPlugin topics `read-job`, HostVolume `host-volume-read`, CSIVolume `csi-read-volume`, Node
+  `AllowNodeRead`, Operator `AllowOperatorRead`; Variable and any other (and `*`) management
+  here (Nomad allows Variable with any variables rule, which the stand-in cannot express).
 - nomad/operator_endpoint.go: scheduler configuration `AllowOperatorRead`/`Write`;
   nomad/system_endpoint.go GC, namespace writes, and the ACL writes: management.
 - command/agent/agent_endpoint.go `/v1/agent/self`: `AllowAgentRead`; `/v1/status/*`: none.
@@ -70,19 +75,30 @@ def management(acl: ACL, _request: web.Request) -> bool:
 def _logs(acl: ACL, request: web.Request) -> bool:
     alloc = request.app[SERVER_KEY].store.allocs.get(request.match_info.get("alloc", ""))
     namespace = alloc["Namespace"] if alloc else namespace_param(request)
-    return acl.allow_ns_op(namespace, "read-logs")
+    return acl.allow_ns_op(namespace, "read-fs", "read-logs")
 
 
-_EVENT_NS_TOPICS = {"Job", "Allocation", "Evaluation", "Deployment", "Service"}
+_EVENT_NS_TOPICS = {
+    "Job": "read-job",
+    "Allocation": "read-job",
+    "Evaluation": "read-job",
+    "Deployment": "read-job",
+    "Service": "read-job",
+    "CSIPlugin": "read-job",
+    "HostVolume": "host-volume-read",
+    "CSIVolume": "csi-read-volume",
+}
 
 
 def _events(acl: ACL, request: web.Request) -> bool:
     topics = {t.split(":", 1)[0] for t in request.query.getall("topic", [])} or {"*"}
     for topic in topics:
         if topic in _EVENT_NS_TOPICS:
-            ok = acl.allow_ns_op(namespace_param(request), "read-job")
+            ok = acl.allow_ns_op(namespace_param(request), _EVENT_NS_TOPICS[topic])
         elif topic == "Node":
             ok = acl.allow("node", "read")
+        elif topic == "Operator":
+            ok = acl.allow("operator", "read")
         else:
             ok = acl.management
         if not ok:
@@ -106,19 +122,24 @@ ENDPOINTS: list[tuple[tuple[str, ...] | None, re.Pattern[str], Check]] = [
     ]
 ] + [
     (READ, re.compile(r"/v1/jobs"), ns("list-jobs")),
-    (None, re.compile(r"/v1/jobs"), ns("submit-job")),
+    (None, re.compile(r"/v1/jobs"), ns("submit-job", "register-job")),
     (READ, re.compile(_JOB + r"/scale"), ns("read-job-scaling", "read-job")),
     (None, re.compile(_JOB + r"/scale"), ns("scale-job", "submit-job")),
     (None, re.compile(_JOB + r"/dispatch"), ns("dispatch-job")),
-    (None, re.compile(_JOB + r"/(plan|evaluate|periodic/force)"), ns("submit-job")),
+    (None, re.compile(_JOB + r"/plan"), ns("submit-job", "plan-job")),
+    (None, re.compile(_JOB + r"/evaluate"), ns("submit-job", "evaluate-job")),
+    (None, re.compile(_JOB + r"/periodic/force"), ns("submit-job", "force-periodic-job")),
     (READ, re.compile(_JOB + r"(/.*)?"), ns("read-job")),
-    (None, re.compile(_JOB), ns("submit-job")),  # register (PUT/POST) and deregister (DELETE)
+    (("DELETE",), re.compile(_JOB), ns("submit-job", "purge-job", "deregister-job")),
+    (("PUT", "POST"), re.compile(_JOB), ns("submit-job", "register-job")),
     (None, re.compile(r"/v1/validate/job"), ns("read-job")),
     (None, re.compile(r"/v1/allocation/[^/]+/stop"), ns("alloc-lifecycle")),
     (READ, re.compile(r"/v1/(allocations|allocation/.+)"), ns("read-job")),
     (READ, re.compile(r"/v1/(evaluations|evaluation/.+)"), ns("read-job")),
     (READ, re.compile(r"/v1/(deployments|deployment/.+)"), ns("read-job")),
-    (None, re.compile(r"/v1/deployment/(fail|pause|promote)/.+"), ns("submit-job")),
+    (None, re.compile(r"/v1/deployment/fail/.+"), ns("submit-job", "fail-deployment")),
+    (None, re.compile(r"/v1/deployment/pause/.+"), ns("submit-job", "pause-deployment")),
+    (None, re.compile(r"/v1/deployment/promote/.+"), ns("submit-job", "promote-deployment")),
     (READ, re.compile(r"/v1/(nodes|node/.+)"), block("node", "read")),
     (None, re.compile(r"/v1/node/.+"), block("node", "write")),
     (READ, re.compile(r"/v1/client/metadata"), block("node", "read")),
@@ -170,7 +191,10 @@ def _indexed(index: int) -> web.Response:
 
 async def acl_policies(request: web.Request) -> web.StreamResponse:
     state = request.app[ACL_KEY]
-    stubs = [{k: v for k, v in p.items() if k != "Rules"} for _, p in sorted(state.policies.items())]
+    stubs = [
+        {k: v for k, v in p.items() if k not in ("Rules", "RulesJSON")}
+        for _, p in sorted(state.policies.items())
+    ]
     return json_response(stubs, request, max([p["ModifyIndex"] for p in stubs], default=1))
 
 
@@ -206,14 +230,14 @@ async def acl_token_create(request: web.Request) -> web.StreamResponse:
     try:
         token = state.create_token(body)
     except PolicyError as exc:
-        raise ApiError(400, f"token 0 invalid: {exc}") from None
+        raise ApiError(400, str(exc)) from None
     return json_response(token, request, token["ModifyIndex"])
 
 
 async def acl_token_self(request: web.Request) -> web.StreamResponse:
     token = request.get(TOKEN_KEY)
-    if token is None:  # the anonymous token has no self to show
-        raise ApiError(403, ERR_TOKEN_NOT_FOUND)
+    if token is None:  # the anonymous identity has no token: aclTokenSelf's 404
+        raise ApiError(404, ERR_TOKEN_NOT_FOUND)
     return json_response(token, request, token["ModifyIndex"])
 
 

@@ -67,7 +67,16 @@ def test_policies_and_tokens_have_nomads_json(standin: StandIn) -> None:
     put = call(standin, "PUT", "/v1/acl/policy/readers", BOOTSTRAP, json={"Name": "readers", "Rules": rules})
     assert put.status_code == 200 and int(put.headers["X-Nomad-Index"]) > 1
     policy = call(standin, "GET", "/v1/acl/policy/readers", BOOTSTRAP).json()
-    assert list(policy) == ["Name", "Description", "Rules", "JobACL", "Hash", "CreateIndex", "ModifyIndex"]
+    assert list(policy) == [
+        "Name",
+        "Description",
+        "Rules",
+        "RulesJSON",
+        "JobACL",
+        "Hash",
+        "CreateIndex",
+        "ModifyIndex",
+    ]
     assert policy["Rules"] == rules
     stubs = call(standin, "GET", "/v1/acl/policies", BOOTSTRAP).json()
     assert [list(s) for s in stubs] == [
@@ -97,6 +106,8 @@ def test_policies_and_tokens_have_nomads_json(standin: StandIn) -> None:
         "CreateIndex",
         "ModifyIndex",
     ]
+    nobody = call(standin, "GET", "/v1/acl/token/self")
+    assert (nobody.status_code, nobody.text) == (404, "ACL token not found")
     me = call(standin, "GET", "/v1/acl/token/self", token["SecretID"])
     assert me.status_code == 200 and me.json()["AccessorID"] == token["AccessorID"]
     # Only a management token writes policies.
@@ -132,4 +143,23 @@ def test_a_rule_the_stand_in_does_not_understand_is_refused(standin: StandIn) ->
     ):
         put = call(standin, "PUT", "/v1/acl/policy/bad", BOOTSTRAP, json={"Name": "bad", "Rules": rules})
         assert put.status_code == 400, (rules, put.text)
-        assert put.text.startswith("policy 0 invalid: "), put.text
+        assert put.text.startswith("policy 0 invalid: 1 error occurred:\n\t* "), put.text
+    empty = call(standin, "PUT", "/v1/acl/token", BOOTSTRAP, json={"Name": "e", "Type": "client"})
+    assert (empty.status_code, empty.text) == (
+        400,
+        "token 0 invalid: 1 error occurred:\n\t* client token missing policies or roles\n\n",
+    )
+
+
+def test_a_fine_grained_capability_does_what_submit_job_does_for_its_endpoint(standin: StandIn) -> None:
+    # Nomad 2.0's job_endpoint.go: Register takes submit-job or register-job; Scale does not.
+    registrar = client_token(standin, "registrar", 'namespace "default" { capabilities = ["register-job"] }')
+    job = {"Job": {"ID": "fine", "TaskGroups": [{"Name": "g", "Count": 0, "Tasks": []}]}}
+    registered = call(standin, "PUT", "/v1/job/fine", registrar, json=job)
+    assert registered.status_code != 403, registered.text
+    scaled = call(
+        standin, "POST", "/v1/job/fine/scale", registrar, json={"Count": 1, "Target": {"Group": "g"}}
+    )
+    assert (scaled.status_code, scaled.text) == (403, "Permission denied")
+    scaler = client_token(standin, "scaler", 'namespace "default" { policy = "scale" }')
+    assert call(standin, "GET", "/v1/job/fine", scaler).status_code != 403  # `scale` includes read-job

@@ -28,7 +28,13 @@ from tests.standin.api_helpers import mock_job
 POLICIES = Path(__file__).resolve().parents[2] / "docs" / "policies"
 BOOTSTRAP = str(uuid.uuid4())
 JOB = "llmgw-acl-probe"
-NO_DEPLOYMENT = {"Update": {"MaxParallel": 0}}  # a deployment in progress would block scaling
+
+
+def probe_job() -> dict[str, Any]:
+    # No deployment (MaxParallel 0): one in progress would block the scale call.
+    return mock_job(JOB, Update={"MaxParallel": 0})
+
+
 NOMAD_PARTS = ("watcher", "node-agent", "operator")
 # Namespace.GetNamespace checks AllowNamespace (nomad/namespace_endpoint.go): any capability in
 # the namespace will do, so taking out the one the table names does not make Nomad refuse it.
@@ -40,7 +46,7 @@ def world(start_standin: Callable[..., StandIn]) -> dict[str, str]:
     """An ACL stand-in with a job, its allocation and evaluation for the calls to name."""
     standin = start_standin(consul=False, extra_args=["--acl-bootstrap-token", BOOTSTRAP])
     admin = Nomad(standin.url, token=BOOTSTRAP)
-    eval_id = admin.register_job(mock_job(JOB, **NO_DEPLOYMENT)["Job"])["EvalID"]
+    eval_id = admin.register_job(probe_job()["Job"])["EvalID"]
     _, allocs = admin.blocking_list("allocations")
     _, nodes = admin.blocking_list("nodes")
     return {
@@ -100,7 +106,7 @@ def make_call(world: dict[str, str], call: Call, token: str) -> httpx.Response:
     elif path.endswith("/evaluate"):
         body = {"JobID": JOB}
     elif call.method == "POST":
-        body = mock_job(JOB, **NO_DEPLOYMENT)
+        body = probe_job()
     headers = {"X-Nomad-Token": token}
     url = world["url"] + path
     if path.startswith("/v1/event/stream"):
