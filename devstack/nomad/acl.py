@@ -31,7 +31,9 @@ ERR_TOKEN_NOT_FOUND = "ACL token not found"  # structs.ErrTokenNotFound
 POLICY_DENY, POLICY_READ, POLICY_WRITE, POLICY_SCALE = "deny", "read", "write", "scale"
 _RANK = {POLICY_DENY: -1, "": 0, POLICY_READ: 1, POLICY_WRITE: 2}
 VALID_POLICY_NAME = re.compile(r"[a-zA-Z0-9-]{1,128}")  # structs.validPolicyName
-ANONYMOUS_POLICY = "anonymous"  # the policy Nomad applies to requests without a token
+ANONYMOUS_POLICY = "anonymous"
+# acl.AllNamespacesSentinel: `?namespace=*` is allowed where any namespace allows the operation.
+ALL_NAMESPACES = "*"  # the policy Nomad applies to requests without a token
 
 # acl/policy.go `expandNamespacePolicy`: `read`, then what `write` adds.
 _READ = [
@@ -219,16 +221,28 @@ class ACL:
         """AllowNsOp, or AllowNsOpAny with several: a `deny` capability beats everything."""
         if self.management:
             return True
-        caps = self._caps(namespace)
-        return "deny" not in caps and any(c in caps for c in capabilities)
+        if namespace == ALL_NAMESPACES and any(
+            _check(caps, c) for caps in self.namespaces.values() for c in capabilities
+        ):
+            return True
+        return any(_check(self._caps(namespace), c) for c in capabilities)
 
     def allow_namespace(self, namespace: str) -> bool:
+        if self.management:
+            return True
+        if namespace == ALL_NAMESPACES:
+            return any(caps and "deny" not in caps for caps in self.namespaces.values())
         caps = self._caps(namespace)
-        return self.management or (bool(caps) and "deny" not in caps)
+        return bool(caps) and "deny" not in caps
 
     def allow(self, block: str, level: str) -> bool:
         """AllowNodeRead/Write, AllowAgentRead/Write, AllowOperatorRead/Write."""
         return self.management or _RANK[self.simple.get(block, "")] >= _RANK[level]
+
+
+def _check(caps: set[str], capability: str) -> bool:
+    """capabilitySet.Check: a `deny` in the set beats everything."""
+    return "deny" not in caps and capability in caps
 
 
 def _glob(pattern: str, text: str) -> bool:

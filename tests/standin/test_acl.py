@@ -129,6 +129,9 @@ def test_read_and_write_expand_as_nomads_policy_go(standin: StandIn) -> None:
     assert call(standin, "GET", "/v1/nodes", reader).status_code == 200
     refused = call(standin, "PUT", "/v1/jobs", reader, json={"Job": {"ID": "x"}})
     assert (refused.status_code, refused.text) == (403, "Permission denied")
+    default_only = client_token(standin, "default-only", 'namespace "default" { policy = "read" }')
+    assert call(standin, "GET", "/v1/jobs?namespace=*", default_only).status_code == 200  # any will do
+    assert call(standin, "GET", "/v1/jobs?namespace=other", default_only).status_code == 403
     node_meta = call(standin, "POST", "/v1/client/metadata", reader, json={"Meta": {"a": "b"}})
     assert node_meta.status_code == 403
 
