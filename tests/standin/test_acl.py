@@ -166,3 +166,14 @@ def test_a_fine_grained_capability_does_what_submit_job_does_for_its_endpoint(st
     assert (scaled.status_code, scaled.text) == (403, "Permission denied")
     scaler = client_token(standin, "scaler", 'namespace "default" { policy = "scale" }')
     assert call(standin, "GET", "/v1/job/fine", scaler).status_code != 403  # `scale` includes read-job
+
+
+def test_the_anonymous_policy_is_what_a_request_without_a_token_gets(standin: StandIn) -> None:
+    assert call(standin, "GET", "/v1/jobs").status_code == 403
+    rules = 'namespace "default" { capabilities = ["list-jobs"] }'
+    put = call(
+        standin, "PUT", "/v1/acl/policy/anonymous", BOOTSTRAP, json={"Name": "anonymous", "Rules": rules}
+    )
+    assert put.status_code == 200, put.text
+    assert call(standin, "GET", "/v1/jobs").status_code == 200
+    assert call(standin, "GET", "/v1/nodes").status_code == 403
