@@ -38,7 +38,7 @@ export LLMGW_CHROMIUM_BIN := $(CHROMIUM_BIN)
 export LLMGW_LLAMA_SERVER_BIN := $(LLAMA_SERVER_BIN)
 export LLMGW_RPC_SERVER_BIN := $(RPC_SERVER_BIN)
 
-.PHONY: setup test test-fast lint typecheck pytest demo clean
+.PHONY: setup test test-fast lint typecheck pytest demo clean wrk
 
 setup: $(VENV)/.installed $(CONSUL_BIN) $(PROMTOOL_BIN) $(PROMETHEUS_BIN) $(CHROMIUM_BIN) $(LLAMA_CPP_STAMP)
 
@@ -112,6 +112,14 @@ $(PROMTOOL_BIN):
 
 $(PROMETHEUS_BIN):
 	bash devstack/fetch-deb.sh "$(PROMETHEUS_PKGS)" bullseye $(CACHE)/prometheus-server
+	@test -x $@
+
+# wrk, the C load generator bench/router_bench.py compares the router under (with the LuaJIT
+# library it links, which dpkg -x does not bring along).
+WRK_BIN := $(CACHE)/wrk/usr/bin/wrk
+wrk: $(WRK_BIN)
+$(WRK_BIN):
+	bash devstack/fetch-deb.sh "wrk libluajit-5.1-2" bookworm $(CACHE)/wrk
 	@test -x $@
 
 # Debian's chromium for the browser tests (Playwright drives it; it never downloads a browser),

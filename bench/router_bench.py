@@ -45,6 +45,7 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench import wrk_check  # noqa: E402
 from bench._support import register_stub_engine  # noqa: E402
 from devstack.consul_agent import ConsulAgent  # noqa: E402
 from devstack.ports import free_port  # noqa: E402
@@ -650,6 +651,12 @@ def main() -> int:
         default=True,
         help="time the unplaceable refusal of a router that asks the Nomad stand-in afresh each time",
     )
+    parser.add_argument(
+        "--wrk",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also compare the router with the aiohttp proxy under wrk (64 connections), if unpacked (make wrk)",
+    )
     parser.add_argument("--serve", choices=["stub", "baseline"], help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--upstream", default="", help=argparse.SUPPRESS)
@@ -775,7 +782,29 @@ def run(args: argparse.Namespace, agent: ConsulAgent, procs: Procs, tmp: Path) -
         procs.start("stub2", [*me, "--serve", "stub", "--port", str(stub2_port)])
         stub2 = f"http://127.0.0.1:{stub2_port}"
         wait_http(f"{stub2}/v1/models")
-    return run_loop(measure(targets, agent.url, stub2, stub2_port, activating, nomad, litellm_version, args))
+    code = run_loop(measure(targets, agent.url, stub2, stub2_port, activating, nomad, litellm_version, args))
+    if args.wrk and wrk_check.available():
+        code |= wrk_compare(targets, args.seconds)
+    return code
+
+
+# Pass-through throughput under wrk, the router against the bare ASGI + aiohttp proxy (issue 33).
+WRK_FLOOR = 0.8
+
+
+def wrk_compare(targets: dict[str, str], seconds: float) -> int:
+    path = "/v1/chat/completions"
+    rates: dict[str, float] = {}
+    for name in ("stub", "proxy aiohttp", "router"):
+        if name in targets:
+            rate, bad = wrk_check.requests_per_second(targets[name] + path, REQUEST, seconds=seconds)
+            rates[name] = rate
+            print(f"wrk -t1 -c64 {name:>14}: {rate:9.0f} req/s" + (f"  ({bad} failed)" if bad else ""))
+    if "proxy aiohttp" not in rates or "router" not in rates:
+        return 0
+    ratio = rates["router"] / rates["proxy aiohttp"]
+    print(f"wrk: router / aiohttp proxy = {ratio:.2f} (floor {WRK_FLOOR})")
+    return 0 if ratio >= WRK_FLOOR else 1
 
 
 def start_activation(procs: Procs, tmp: Path, consul: str) -> tuple[str, str]:

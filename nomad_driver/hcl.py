@@ -155,6 +155,7 @@ GROUP = Schema(
         "ReschedulePolicy": Field("reschedule", "block", RESCHEDULE),
         "Update": Field("update", "block", UPDATE),
         "Meta": Field("meta", "map"),
+        "ShutdownDelay": Field("shutdown_delay", "duration"),
         "Tasks": Field("task", "labeled", TASK),
     }
 )

@@ -13,6 +13,7 @@ import re
 from typing import Any
 
 from nomad_driver import gpu_check
+from nomad_driver.draining import SHUTDOWN_DELAY
 from nomad_driver.hcl import job_to_hcl
 from nomad_driver.node_meta import ENGINES_DIR_KEY, engine_meta_key, interpolated
 from nomad_driver.placement import fabric_constraint, gpu_count_constraint
@@ -204,6 +205,8 @@ def render_job(model: Model, *, namespace: str | None = None) -> dict[str, Any]:
         "Scaling": {"Min": 0, "Max": model.replicas_max, "Enabled": False},
         "Networks": [{"DynamicPorts": [{"Label": PORT_LABEL}], "ReservedPorts": []}],
         "Services": [service],
+        # Out of every router's rotation before the engine is signalled (nomad_driver/draining.py).
+        "ShutdownDelay": SHUTDOWN_DELAY,
         "RestartPolicy": RESTART_POLICY,
         "ReschedulePolicy": RESCHEDULE_POLICY,
         # No deployments for model jobs. Nomad gives a job without an update block the default
@@ -538,6 +541,8 @@ def render_replica_job(
         # Shards opt out of deployments like the leader: parking scales both groups, and a
         # deployment on either would refuse it.
         "Update": leader["Update"],
+        # Shards outlive the leader's drain: its requests in flight need them to finish.
+        "ShutdownDelay": leader["ShutdownDelay"],
         "Tasks": [_ordered_task(shard_task)],
     }
     job["TaskGroups"] = [leader, shard_group]

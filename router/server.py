@@ -27,6 +27,7 @@ import logging
 import os
 import resource
 import socket
+import ssl
 import time
 from collections import Counter
 from dataclasses import replace
@@ -39,6 +40,7 @@ from prometheus_client.registry import Collector
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from nomad_driver.logs import configure_logging
+from router import tls_guard
 from router.app import RouterApp
 from router.config import ConfigError, Limits, RouterConfig, Timeouts, from_env, load_api_keys, parse_listen
 
@@ -81,7 +83,11 @@ class ConnectionGuard:
     """What the connections of one server share: the limits, the idle connections oldest
     first, and the count of connections closed for each reason."""
 
-    def __init__(self, limits: Limits, timeouts: Timeouts, max_connections: int) -> None:
+    def __init__(
+        self, limits: Limits, timeouts: Timeouts, max_connections: int, tls: ssl.SSLContext | None = None
+    ) -> None:
+        # Set when serving HTTPS: the guard runs the handshake itself (see GuardedProtocol).
+        self.tls = tls
         self.max_header_bytes = limits.max_header_bytes
         self.max_head_bytes = limits.max_header_bytes + HEAD_SLACK_BYTES
         self.max_headers = limits.max_headers
@@ -159,6 +165,8 @@ class GuardedProtocol(HttpToolsProtocol):
     """httptools' protocol with the head bounded in bytes, headers and time (see the module)."""
 
     guard: ClassVar[ConnectionGuard]
+    # Between the TCP connection and the end of its TLS handshake (HTTPS only).
+    handshaking = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -181,14 +189,36 @@ class GuardedProtocol(HttpToolsProtocol):
         self._head_timer = self.loop.call_later(self.guard.head_s, self._head_timed_out)
         if len(self.connections) > self.guard.max_connections:
             self.guard.make_room(self)
+        if self.guard.tls is not None and not transport.is_closing():
+            # HTTPS: the handshake is timed and counted as part of the head (router/tls_guard.py).
+            self.handshaking = True
+            self.early: list[bytes] = []
+            transport.pause_reading()  # asyncio: no ClientHello for the HTTP parser; start_tls resumes
+            self.loop.create_task(tls_guard.upgrade(self, transport, self.guard.tls, self.guard.head_s))
+
+    def switch_to(self, transport: asyncio.BaseTransport) -> None:
+        """After the handshake (router/tls_guard.py): answers go out through TLS, and what the
+        TLS layer decrypted before now is read."""
+        HttpToolsProtocol.connection_made(self, transport)  # type: ignore[arg-type]
+        early, self.early = self.early, []
+        for data in early:
+            self.data_received(data)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self.handshaking = False
         self.guard.idle.pop(self, None)
         self.guard.reading.pop(self, None)
         self._cancel_head_timer()
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        if self.handshaking:
+            # A ClientHello before start_tls took over, or requests decrypted before it
+            # returned: passed on once it has (tls_guard.upgrade).
+            self.early.append(data)
+            if self.transport.get_protocol() is self:
+                self.transport.pause_reading()
+            return
         if self._refused:
             return
         if self._in_head and not self._head_bytes and not data.strip(b"\r\n"):
@@ -379,7 +409,9 @@ class GuardCollector(Collector):
 def protocol_for(config: RouterConfig) -> type[GuardedProtocol]:
     """A protocol class bound to one server's limits (uvicorn builds it from the class alone)."""
     limit = config.limits.max_connections or auto_max_connections()
-    guard = ConnectionGuard(config.limits, config.timeouts, limit)
+    alpn = getattr(GuardedProtocol, "alpn_protocols", None)
+    tls = tls_guard.server_context(config.tls_cert, config.tls_key, alpn) if config.tls_cert else None
+    guard = ConnectionGuard(config.limits, config.timeouts, limit, tls)
     return type("RouterProtocol", (GuardedProtocol,), {"guard": guard})
 
 
@@ -393,8 +425,7 @@ def uvicorn_config(app: Any, config: RouterConfig, *, log_level: str = "info") -
         host=config.host,
         port=config.port,
         http=protocol,
-        ssl_certfile=config.tls_cert or None,
-        ssl_keyfile=config.tls_key or None,
+        # No ssl_certfile: the guard does the TLS handshake (protocol.guard.tls).
         lifespan="on",
         log_level=log_level,
         # uvicorn's own lines go through the root logger, in the one llmgw format.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import re
@@ -23,6 +24,7 @@ from nomad_driver.render import (
     render_files,
     render_hcl,
     render_job,
+    render_replica_job,
     weights_for,
 )
 from nomad_driver.spec import Model, definition_hash, load_models, parse_models
@@ -259,6 +261,19 @@ def test_the_group_registers_the_engine_service_with_model_tag_meta_and_check() 
     assert check["Interval"] == 5 * SECOND and check["Timeout"] == 2 * SECOND
 
 
+def test_a_stopped_replica_leaves_consul_and_drains_before_its_engine_is_signalled() -> None:
+    # Nomad deregisters the group's services, waits shutdown_delay, then kills: the routers
+    # drop the replica while the requests already on it finish (docs/router.md, "Faults").
+    for model in ALL_MODELS:
+        assert group_of(render_job(model))["ShutdownDelay"] == 15 * SECOND, model.name
+    assert 'shutdown_delay = "15s"' in render_hcl(EXAMPLES.models["qwen2.5-0.5b"])
+    # A multi-node replica's shards serve the leader's requests in flight until it is killed too.
+    one = EXAMPLES.models["llama-3.3-70b"]
+    split = dataclasses.replace(one, profile=one.profile.model_copy(update={"nodes": 2}))
+    leader, shards = render_replica_job(split, 0)["TaskGroups"]
+    assert leader["ShutdownDelay"] == shards["ShutdownDelay"] == 15 * SECOND
+
+
 def test_job_meta_and_ids_carry_the_definition() -> None:
     model = EXAMPLES.models["llama-3.3-70b"]
     job = render_job(model)
@@ -329,7 +344,7 @@ API_FIELDS = {
     "Job": {"ID", "Name", "Type", "Namespace", "Region", "Datacenters", "NodePool", "Meta", "TaskGroups"},
     "TaskGroup": {
         "Name", "Count", "Constraints", "Scaling", "Networks", "Services",
-        "RestartPolicy", "ReschedulePolicy", "Update", "Tasks",
+        "RestartPolicy", "ReschedulePolicy", "Update", "ShutdownDelay", "Tasks",
     },
     "Task": {"Name", "Driver", "Config", "Env", "Artifacts", "Resources", "KillTimeout"},
     "Resources": {"CPU", "MemoryMB", "Devices"},
@@ -486,6 +501,7 @@ def job_from_hcl(text: str) -> dict[str, Any]:
                 "Unlimited": resched["unlimited"],
             },
             "Update": {"MaxParallel": g["update"][0]["max_parallel"]},
+            "ShutdownDelay": _ns(g["shutdown_delay"]),
             "Tasks": [],
         }
         for task_name, t in _labeled(g["task"]):

@@ -22,6 +22,7 @@ from typing import Any
 
 import httpx
 
+from devstack.nomad import shutdown_delay
 from devstack.nomad import taskstate as ts
 from devstack.nomad.artifacts import ArtifactError, TemplateError, fetch_artifact, render_templates
 from devstack.nomad.clock import Clock
@@ -260,8 +261,9 @@ class TaskRunner:
         self.emit(event)
         handle = self.handle
         if handle is not None:
-            self.tracker.set_killed()
             await self._deregister_services()
+            await shutdown_delay.before_task_kill(self, self.ar.current(), self.ar.skip_shutdown_delay)
+            self.tracker.set_killed()
             await handle.kill(self.kill_timeout_ns, self.kill_signal)
         await self.done.wait()
 
@@ -320,6 +322,9 @@ class AllocRunner:
         self.tasks = {str(t["Name"]): TaskRunner(self, t) for t in self.group.get("Tasks") or []}
         self.group_registrations: list[Registration] = []
         self.finished = asyncio.Event()
+        # Nomad's shutdownDelayCtx; the stand-in sets it when it shuts down, so that it exits
+        # within its grace period.
+        self.skip_shutdown_delay = asyncio.Event()
         self._sibling_failed = False
 
     async def run(self) -> None:
@@ -346,12 +351,20 @@ class AllocRunner:
 
     async def stop(self) -> None:
         await self._deregister_group_services()
+        if not shutdown_delay.ignored(self.current()):
+            await shutdown_delay.wait(
+                self.clock, shutdown_delay.delay_ns(self.group), self.skip_shutdown_delay
+            )
         kills = []
         for tr in self.tasks.values():
             event = ts.set_kill_timeout(tr._event(ts.TASK_KILLING), tr.kill_timeout_ns)
             kills.append(tr.kill(event))
         await asyncio.gather(*kills)
         await self.finished.wait()
+
+    def current(self) -> Json:
+        """The allocation as the store has it now (a stop may have set DesiredTransition)."""
+        return self.client.store.allocs.get(self.alloc_id) or self.alloc
 
     async def restart_task(self, task: str, reason: str) -> None:
         tr = self.tasks.get(task)
@@ -458,6 +471,8 @@ class ClientRunner:
         """Kill every task and deregister every service; the store is left as it was."""
         self._shutting_down = True
         runners = list(self.runners.values())
+        for runner in runners:
+            runner.skip_shutdown_delay.set()
         stops = asyncio.gather(*(r.stop() for r in runners), return_exceptions=True)
         try:
             await asyncio.wait_for(stops, SHUTDOWN_GRACE_SECONDS)

@@ -392,6 +392,7 @@ class _Converter:
             "Networks": networks or None,
             "Services": [self.service(b, f"{where}.service") for _, b in _blocks(body, "service")] or None,
             "Meta": self._map(body, "meta", where),
+            "ShutdownDelay": self._d(body, "shutdown_delay", where),
             "Tasks": [
                 self.task(label or "", b, f"{where}.task.{label}") for label, b in _blocks(body, "task")
             ],

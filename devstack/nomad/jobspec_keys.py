@@ -14,7 +14,7 @@ BODY_KEYS = {
     },
     "group": {
         "count", "constraint", "affinity", "network", "service", "restart", "reschedule", "update",
-        "task", "meta", "ephemeral_disk", "scaling", "migrate",
+        "task", "meta", "ephemeral_disk", "scaling", "migrate", "shutdown_delay",
     },
     "task": {
         "driver", "config", "env", "template", "resources", "artifact", "meta", "constraint",

@@ -13,7 +13,8 @@ job "llmgw-gemma-3-4b" {
   }
 
   group "engine" {
-    count = 0
+    count          = 0
+    shutdown_delay = "15s"
 
     constraint {
       attribute = "${meta.llmgw_engine_llama_cpp_python}"

@@ -13,7 +13,8 @@ job "llmgw-llama-3.3-70b" {
   }
 
   group "engine" {
-    count = 1
+    count          = 1
+    shutdown_delay = "15s"
 
     constraint {
       attribute = "${meta.llmgw_engine_vllm}"

@@ -13,7 +13,8 @@ job "llmgw-qwen2.5-0.5b" {
   }
 
   group "engine" {
-    count = 1
+    count          = 1
+    shutdown_delay = "15s"
 
     constraint {
       attribute = "${meta.llmgw_engine_llama_cpp}"

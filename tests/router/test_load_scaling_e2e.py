@@ -49,7 +49,8 @@ class Load:
     """`clients` threads, each sending one chat after another to its router until stopped;
     every answer's status is kept."""
 
-    def __init__(self, routers: list[RunningRouter], clients: int) -> None:
+    def __init__(self, routers: list[RunningRouter], clients: int, max_tokens: int = 24) -> None:
+        self.max_tokens = max_tokens
         self.statuses: list[int] = []
         self.errors: list[str] = []
         self._stop = threading.Event()
@@ -65,7 +66,7 @@ class Load:
                         json={
                             "model": "slots",
                             "messages": [{"role": "user", "content": "hi"}],
-                            "max_tokens": 24,
+                            "max_tokens": self.max_tokens,
                         },
                     )
                     self.statuses.append(resp.status_code)
@@ -82,8 +83,8 @@ class Load:
 
 
 @contextmanager
-def load(routers: list[RunningRouter], clients: int) -> Iterator[Load]:
-    running = Load(routers, clients)
+def load(routers: list[RunningRouter], clients: int, max_tokens: int = 24) -> Iterator[Load]:
+    running = Load(routers, clients, max_tokens)
     try:
         yield running
     finally:

@@ -331,3 +331,36 @@ async def test_group_check_restart_restarts_the_group_s_task_each_time_it_stays_
     assert [e["DisplayMessage"] for e in signaled] == ['healthcheck: check "engine ready" unhealthy'] * 2
     assert alloc["ClientStatus"] == "failed"
     assert task_state(alloc)["Restarts"] == 1
+
+
+async def test_shutdown_delay_leaves_consul_first_and_kills_the_task_after_it(harness: Harness) -> None:
+    # The group's delay (groupservice_hook.go), then the task's own (task_runner.go handleKill);
+    # the harness's clock runs 10x, so 30 s + 10 s of Nomad time is about 4 s here.
+    task = raw_exec_task(
+        "web",
+        sys.executable,
+        ["-m", "http.server", "${NOMAD_PORT_http}", "--bind", "127.0.0.1"],
+        ShutdownDelay=10 * SECOND,
+    )
+    service = {"Name": "llmgw-engine", "PortLabel": "http", "Tags": ["model=tiny"], "Meta": {"model": "tiny"}}
+    job = make_job([task], group_services=[service])
+    job["TaskGroups"][0]["ShutdownDelay"] = 30 * SECOND
+    port = free_port()
+    alloc_id = harness.run(job, ports={"http": port})
+    await eventually(lambda: passing(harness.consul, "llmgw-engine"), what="the service registered")
+    await eventually(lambda: httpx.get(f"http://127.0.0.1:{port}/").status_code == 200, what="web serving")
+
+    harness.store.upsert_alloc(dict(harness.store.allocs[alloc_id], DesiredStatus="stop"))
+    stopped = asyncio.get_running_loop().time()
+    harness.client.stop_alloc(alloc_id)
+    await deregistered(harness.consul, alloc_id)
+    # Out of Consul, still serving: what a router's requests in flight need.
+    assert httpx.get(f"http://127.0.0.1:{port}/").status_code == 200
+    assert not events_of(harness.store.allocs[alloc_id], "Killing", "web")
+
+    alloc = await wait_alloc(harness.store, alloc_id, lambda a: task_state(a, "web").get("State") == "dead")
+    assert asyncio.get_running_loop().time() - stopped >= 3.5
+    types = [e["Type"] for e in task_state(alloc, "web")["Events"]]
+    assert types.index("Killing") < types.index("Waiting for shutdown delay") < types.index("Killed")
+    (waiting,) = events_of(alloc, "Waiting for shutdown delay", "web")
+    assert waiting["DisplayMessage"] == "Waiting for shutdown_delay of 10s before killing the task."
