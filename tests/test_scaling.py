@@ -269,3 +269,42 @@ def test_a_replica_that_never_turns_ready_holds_a_scale_down_for_a_while_not_for
     )
     d = reconcile(stuck)
     assert d.desired == 1 and d.desired_reason != "starting"
+
+
+def test_a_crash_looping_replica_holds_no_scale_down() -> None:
+    """A replica restarting after a failed start is not about to turn ready: the count above
+    what the load wants comes down instead of waiting for it."""
+    from tests.test_reconcile import KEV, NOW, job, view
+
+    t = int((NOW - 60) * 1e9)
+    healthy = {
+        "ID": "a",
+        "Name": "llmgw-kev.engine[0]",
+        "ClientStatus": "running",
+        "DesiredStatus": "run",
+        "CreateTime": t - 10**12,
+        "TaskStates": {"engine": {"Events": [{"Type": "Started", "Time": t - 10**12}]}},
+    }
+    looping = {
+        "ID": "b",
+        "Name": "llmgw-kev.engine[1]",
+        "ClientStatus": "running",
+        "DesiredStatus": "run",
+        "CreateTime": t,
+        "TaskStates": {
+            "engine": {
+                "Events": [
+                    {"Type": "Started", "Time": t},
+                    {"Type": "Terminated", "Time": t + 1, "DisplayMessage": "Exit Code: 1"},
+                    {"Type": "Restarting", "Time": t + 2},
+                ]
+            }
+        },
+    }
+    v = view(
+        job=job(KEV, 2), allocs=(healthy, looping), ready=1, healthy_starts=frozenset({(t - 10**12, "a")})
+    )
+    from nomad_driver.watcher.reconcile import reconcile
+
+    d = reconcile(v)
+    assert d.desired == 1 and d.desired_reason != "starting"

@@ -259,7 +259,9 @@ async def test_more_than_ten_restarts_in_one_allocation_are_each_counted(
     await asyncio.sleep(1)
     observer.look()
     assert {a for a, _ in observer.failures} == {alloc["ID"]}
-    assert len(observer.failures) == 11
+    # One more start may fail in the drain after the scale to 0 (the group's shutdown_delay):
+    # Nomad restarts the engine in it; parked, it is not counted.
+    assert len(observer.failures) in (11, 12)
     assert observer.most_events == 10  # Nomad did drop the oldest events
     assert state.consecutive_failures == 11
 

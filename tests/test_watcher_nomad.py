@@ -88,8 +88,12 @@ async def test_a_model_that_exits_1_is_parked_after_exactly_five_start_failures(
     assert state.consecutive_failures == 5
     assert state.parked_def_hash == model.def_hash
     assert "Exit Code: 1" in state.last_error
+    # The drain (the group's shutdown_delay, nomad_driver/draining.py) keeps the allocation up
+    # for 15 s after the scale to 0, and Nomad's restart policy may start the engine once more
+    # in it: not counted, the model is parked.
+    await asyncio.sleep(1.5)  # 30 s of the stand-in's clock: the drain is over
     allocs, started = starts(world.nomad, model.job_id)
-    assert started == 5, f"{started} starts in {allocs} allocations"
+    assert started in (5, 6), f"{started} starts in {allocs} allocations"
 
     # Parked means no more attempts: watched for 4 s (80 s of the stand-in's clock).
     await asyncio.sleep(4)

@@ -656,9 +656,10 @@ def reconcile(view: ModelView, max_start_failures: int = DEFAULT_MAX_START_FAILU
 
 
 def _recently_started(view: ModelView) -> int:
-    """Live allocations not passing their check, placed or last started within
-    STARTING_HOLD_S: those may still turn ready. Nomad's clock against the watcher's, so
-    only for a quarter of an hour's bound (NTP keeps them within a second)."""
+    """Live allocations not passing their check that may still turn ready: placed within
+    STARTING_HOLD_S, and not restarting after a failed start (a crash loop never turns ready,
+    and must not hold the count up). Nomad's clock against the watcher's, so only for a quarter
+    of an hour's bound (NTP keeps them within a second)."""
     since_ns = (view.now - STARTING_HOLD_S) * 1e9
     passing = {alloc for _, alloc in view.healthy_starts}
     fresh = 0
@@ -667,8 +668,12 @@ def _recently_started(view: ModelView) -> int:
             continue
         if str(a.get("ID") or "") in passing:
             continue
-        began = max([as_int(a.get("CreateTime")), *(s.time_ns for s in starts_of(a))])
-        if began == 0 or began >= since_ns:
+        starts = starts_of(a)
+        ended = [s for s in starts if s.ended]
+        if ended and ended[-1].failed:
+            continue
+        placed = as_int(a.get("CreateTime")) or min((s.time_ns for s in starts), default=0)
+        if placed == 0 or placed >= since_ns:
             fresh += 1  # no time known (a view built by hand) counts as fresh
     return fresh
 

@@ -33,9 +33,10 @@ from typing import Literal
 
 DEFAULT_UP_WINDOW_S = 6.0
 DEFAULT_STEP_INTERVAL_S = 5.0
-# Replicas still starting hold a scale-down for this long after they were placed or last
-# started, at most: a 70B model loads well within it on a healthy node, and a replica that never
-# turns ready (a hung load, a check that never passes) must not hold the count up forever.
+# Replicas still starting hold a scale-down for this long after they were placed, at most: a
+# 70B model loads well within it on a healthy node, and a replica that never turns ready (a
+# hung load, a check that never passes) must not hold the count up forever. One restarting
+# after a failed start holds nothing (reconcile.py).
 STARTING_HOLD_S = 900.0
 
 Reason = Literal["parked", "idle", "min", "asked", "load", "max", "held", "busy", "starting", "step"]
@@ -59,8 +60,8 @@ class ScaleInputs:
     asked: bool = False  # requested within idle_timeout (or in flight now)
     # The count a scale-down must keep so no replica with requests in flight is stopped.
     busy_floor: int = 0
-    # Allocations placed but not yet ready, for at most STARTING_HOLD_S since they were placed
-    # or last started: a replica stuck loading holds nothing.
+    # Allocations placed but not yet ready, for at most STARTING_HOLD_S since they were placed,
+    # and not crash-looping: a replica stuck loading or failing holds nothing.
     starting: int = 0
     parked: bool = False
     since_step_s: float = math.inf  # since the job's count last changed
