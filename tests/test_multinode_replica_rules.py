@@ -11,6 +11,7 @@ from typing import Any
 import httpx
 
 from nomad_driver.nomad import Nomad
+from nomad_driver.placement import fabric_constraint
 from nomad_driver.render import SHARD_GROUP, render_job
 from nomad_driver.spec import parse_models
 from nomad_driver.watcher.multinode import scale_replica, set_replica_count
@@ -56,6 +57,52 @@ def test_shard_failures_do_not_count_only_the_replicas_starts_do() -> None:
     # A live replica is one replica starting, not three.
     live = (in_group(running("l", 1), "engine"), in_group(running("s1", 1), SHARD_GROUP))
     assert reconcile(ModelView(model=WIDE, job=render_job(WIDE), allocs=live, now=1e6)).starting == 1
+
+
+def test_a_shard_failing_again_after_its_leader_restarted_in_place_is_the_same_replica_start() -> None:
+    # Seen under load in CI: a shard failed, Nomad restarted it before the watcher's next pass,
+    # its registration re-rendered the leader's template (a restart in place, asked for), and
+    # the shard failed again in the leader's new start. One replica start, restarted whole by
+    # the watcher once it looks: one failure, not two, or the model parks a start early.
+    leader_events = [
+        {"Type": "Started", "Time": 10},
+        {
+            "Type": "Restart Signaled",
+            "Time": 30,
+            "DisplayMessage": "Template with change_mode restart re-rendered",
+        },
+        {"Type": "Terminated", "Time": 31, "DisplayMessage": "Exit Code: 130, Signal: 2"},
+        {"Type": "Restarting", "Time": 31},
+        {"Type": "Started", "Time": 32},
+    ]
+    shard_events = [
+        {"Type": "Started", "Time": 5},
+        {"Type": "Terminated", "Time": 20, "DisplayMessage": "Exit Code: 1"},
+        {"Type": "Restarting", "Time": 20},
+        {"Type": "Started", "Time": 29},
+        {"Type": "Terminated", "Time": 40, "DisplayMessage": "Exit Code: 1"},
+        {"Type": "Not Restarting", "Time": 40},
+    ]
+    leader = {
+        "ID": "lead",
+        "ClientStatus": "running",
+        "DesiredStatus": "run",
+        "TaskStates": {"engine": {"Events": leader_events}},
+    }
+    shard = {
+        "ID": "shard",
+        "ClientStatus": "failed",
+        "DesiredStatus": "run",
+        "TaskStates": {"engine": {"Events": shard_events}},
+    }
+    allocs = (in_group(leader, "engine"), in_group(shard, SHARD_GROUP))
+    job = render_job(WIDE)
+    job["Constraints"].append(fabric_constraint("ib-a"))
+    d = reconcile(ModelView(model=WIDE, job=job, allocs=allocs, now=1e6))
+    assert d.state.consecutive_failures == 1
+    assert d.state.last_error.startswith("shard shard")
+    # The leader still waits for a shard that is gone: the replica is restarted whole.
+    assert d.state.replica_restarted == "lead@32"
 
 
 def test_a_replica_runs_with_all_its_shards_or_not_at_all() -> None:

@@ -82,7 +82,7 @@ def replica_starts(allocs: Iterable[Mapping[str, Any]]) -> ReplicaStarts:
             break
         i = max(0, bisect.bisect_right(times, failure.time_ns) - 1)
         causes.setdefault(leader[i].ident, failure)
-    absorbed = _aborts_into_dead_shards(leader, causes)
+    absorbed = _aborts_into_dead_shards(leader, causes) | _shard_failures_again_in_place(leader, causes)
     down = _DownShards(allocs)
     for s in leader:
         if s.ended and s.failed and s.ident not in causes and s.ident not in absorbed:
@@ -153,6 +153,29 @@ def _aborts_into_dead_shards(leader: list[Start], causes: Mapping[StartId, Shard
         after = next((n for n in leader[i + 1 :] if (n.alloc_id, n.task) == (s.alloc_id, s.task)), None)
         if after is not None and after.ended and after.failed and after.ident not in causes:
             out.add(after.ident)
+    return out
+
+
+def _shard_failures_again_in_place(
+    leader: list[Start], causes: Mapping[StartId, ShardFailure]
+) -> set[StartId]:
+    """Leader starts failed only by a shard, after an earlier start of the same allocation was.
+
+    A shard that fails is restarted by Nomad; its registration re-renders the leader's template,
+    which restarts the leader in place (asked for, not a failure), and the shard can fail again
+    in that new start before the watcher's pass restarts the replica whole: under load, a
+    second of the watcher's time is many of a shard's restarts. The replica never started
+    again, so that is the same failed replica start. A leader start that failed by itself (its
+    engine aborted) still counts as its own."""
+    out: set[StartId] = set()
+    failed_by_shard: set[tuple[str, str]] = set()
+    for s in leader:
+        if s.ident not in causes or s.failed:
+            continue
+        where = (s.alloc_id, s.task)
+        if where in failed_by_shard:
+            out.add(s.ident)
+        failed_by_shard.add(where)
     return out
 
 
