@@ -37,8 +37,10 @@ from hypothesis import strategies as st
 from nomad_driver.render import SERVICE_NAME
 from nomad_driver.spec import Model, parse_models
 from nomad_driver.state import ModelState, parse_state
+from nomad_driver.watcher.counting import retried
+from nomad_driver.watcher.decisions import ForceReschedule, ModelView, Park, WriteState
 from nomad_driver.watcher.given_up import reschedule_eligible
-from nomad_driver.watcher.reconcile import ForceReschedule, ModelView, Park, WriteState, reconcile, retried
+from nomad_driver.watcher.reconcile import reconcile
 from nomad_driver.watcher.sightings import Passing, StartSightings
 from tests.watcher_support import BARE_CPU_PROFILE
 

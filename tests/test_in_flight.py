@@ -14,9 +14,11 @@ import pytest
 from nomad_driver.consul import Consul
 from nomad_driver.spec import parse_models
 from nomad_driver.state import INFLIGHT_PREFIX, activity_key, inflight_key, parse_activity, parse_inflight
+from nomad_driver.watcher.decisions import ModelView, Scale
+from nomad_driver.watcher.desired import desired_replicas
 from nomad_driver.watcher.in_flight import requests_in_flight
 from nomad_driver.watcher.loop import WatcherConfig
-from nomad_driver.watcher.reconcile import ModelView, Scale, desired_replicas, reconcile
+from nomad_driver.watcher.reconcile import reconcile
 from router.activity import WAITING, ActivityRecorder
 from tests.test_reconcile import job
 from tests.watcher_support import BARE_CPU_PROFILE

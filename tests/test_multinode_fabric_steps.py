@@ -11,7 +11,8 @@ from typing import Any
 from nomad_driver.placement import fabric_constraint, fabric_rooms
 from nomad_driver.render import SHARD_GROUP, render_job
 from nomad_driver.state import ModelState
-from nomad_driver.watcher.reconcile import ModelView, Park, RegisterJob, Scale, WriteState, reconcile
+from nomad_driver.watcher.decisions import ModelView, Park, RegisterJob, Scale, WriteState
+from nomad_driver.watcher.reconcile import reconcile
 from tests.test_fabric_choice import fleet
 from tests.test_multinode_replica_rules import WIDE
 from tests.test_parking import ev

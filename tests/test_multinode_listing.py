@@ -8,7 +8,7 @@ from typing import Any
 
 from nomad_driver.render import SHARD_GROUP
 from nomad_driver.summary import fleet_summary
-from nomad_driver.watcher.reconcile import ModelView
+from nomad_driver.watcher.decisions import ModelView
 from nomad_driver.watcher.replicas import list_replicas, node_fabrics
 from tests.test_multinode_replica_rules import WIDE
 from tests.test_reconcile import KEV

@@ -245,7 +245,7 @@ def test_the_hcl_of_a_replica_says_what_its_json_says(name: str) -> None:
 def test_every_group_of_a_replica_opts_out_of_deployments(name: str) -> None:
     """Parking scales the leader and the shards; a deployment on either group would make Nomad
     refuse the scale ("job scaling blocked due to active deployment")."""
-    from nomad_driver.watcher.reconcile import job_makes_deployments
+    from nomad_driver.watcher.job_facts import job_makes_deployments
 
     job = render_job(SET.models[name])
     assert [g["Update"] for g in job["TaskGroups"]] == [{"MaxParallel": 0}] * len(job["TaskGroups"])

@@ -14,8 +14,9 @@ from nomad_driver.nomad import Nomad
 from nomad_driver.placement import fabric_constraint
 from nomad_driver.render import SHARD_GROUP, render_job
 from nomad_driver.spec import parse_models
+from nomad_driver.watcher.decisions import ModelView, Park
 from nomad_driver.watcher.multinode import scale_replica, set_replica_count
-from nomad_driver.watcher.reconcile import ModelView, Park, reconcile
+from nomad_driver.watcher.reconcile import reconcile
 from tests.test_reconcile import crashed, running
 
 MODELS = textwrap.dedent(

@@ -10,8 +10,10 @@ from typing import Any
 import httpx
 
 from nomad_driver.render import RESCHEDULE_POLICY
+from nomad_driver.watcher.counting import retried
+from nomad_driver.watcher.decisions import ForceReschedule
 from nomad_driver.watcher.given_up import reschedule_eligible, spent_slots
-from nomad_driver.watcher.reconcile import ForceReschedule, reconcile, retried
+from nomad_driver.watcher.reconcile import reconcile
 from tests.test_reconcile import KEV, NOW, crashed, job, view
 
 HOUR_NS = 3_600_000_000_000

@@ -7,16 +7,9 @@ from typing import Any
 
 from nomad_driver.spec import parse_models
 from nomad_driver.state import Attempt, ModelState
-from nomad_driver.watcher.reconcile import (
-    Activate,
-    ModelView,
-    Park,
-    RegisterJob,
-    Scale,
-    WriteState,
-    reconcile,
-    retried,
-)
+from nomad_driver.watcher.counting import retried
+from nomad_driver.watcher.decisions import Activate, ModelView, Park, RegisterJob, Scale, WriteState
+from nomad_driver.watcher.reconcile import reconcile
 from tests.watcher_support import BARE_CPU_PROFILE
 
 MODELS = (

@@ -23,8 +23,9 @@ from nomad_driver.spec import parse_models
 from nomad_driver.state import CONFIG_MODELS_KEY, activity_key, inflight_key
 from nomad_driver.watcher import loop as watcher_loop
 from nomad_driver.watcher import quiet
+from nomad_driver.watcher.decisions import Decision, ModelView
 from nomad_driver.watcher.loop import Watcher, WatcherConfig
-from nomad_driver.watcher.reconcile import Decision, ModelView, reconcile
+from nomad_driver.watcher.reconcile import reconcile
 from tests.watcher_support import BARE_CPU_PROFILE, mock_job, models_text, until, watchers_on_standin
 
 pytestmark = pytest.mark.timeout(120)

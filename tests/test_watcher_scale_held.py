@@ -15,7 +15,8 @@ import pytest
 from nomad_driver.nomad import NomadError
 from nomad_driver.spec import parse_models
 from nomad_driver.watcher.acting import DEPLOYMENT_BLOCKS_SCALE, DEPLOYMENT_RETRY_S, Actor
-from nomad_driver.watcher.reconcile import ModelView, Scale, reconcile
+from nomad_driver.watcher.decisions import ModelView, Scale
+from nomad_driver.watcher.reconcile import reconcile
 from tests.test_reconcile import job, running
 from tests.watcher_support import BARE_CPU_PROFILE
 

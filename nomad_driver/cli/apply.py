@@ -23,7 +23,7 @@ from nomad_driver.consul import Consul
 from nomad_driver.nomad import Nomad
 from nomad_driver.spec import ModelSet, parse_models, read_models_text
 from nomad_driver.state import CONFIG_MODELS_KEY
-from nomad_driver.watcher.reconcile import job_conflict, job_is_current
+from nomad_driver.watcher.job_facts import job_conflict, job_is_current
 
 
 class ApplyConflict(Exception):

@@ -32,14 +32,14 @@ from nomad_driver.placement import fabric_rooms, no_fabric_reason
 from nomad_driver.render import render_job
 from nomad_driver.spec import Model, ModelSet, SpecError, parse_models, problem_line, read_models_text
 from nomad_driver.state import CONFIG_MODELS_KEY
-from nomad_driver.watcher.multinode import pin_to_fabric, set_replica_count
-from nomad_driver.watcher.reconcile import (
+from nomad_driver.watcher.job_facts import (
     job_conflict,
     job_def_hash,
     job_group,
     job_is_current,
     job_scaling_max,
 )
+from nomad_driver.watcher.multinode import pin_to_fabric, set_replica_count
 
 # Exit codes, for CI to gate on (documented in README and docs/operating.md).
 EXIT_NOTHING_TO_DO = 0
@@ -262,7 +262,7 @@ def _job_field_changes(job: Mapping[str, Any], model: Model) -> list[FieldChange
     return out
 
 
-# What decides whether the job in Nomad is current (`reconcile.job_is_current`).
+# What decides whether the job in Nomad is current (`job_facts.job_is_current`).
 _JOB_FIELDS = ("source", "profile", "replicas.max")
 
 

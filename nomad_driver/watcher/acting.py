@@ -22,11 +22,7 @@ from nomad_driver.placement import PlacementWarnings, fabric_constraint, summari
 from nomad_driver.render import render_job
 from nomad_driver.spec import Model
 from nomad_driver.state import ActionError, Attempt
-from nomad_driver.watcher.engine_errors import EngineErrors
-from nomad_driver.watcher.fenced import FencedStates
-from nomad_driver.watcher.leader import Leadership, LeaseLost
-from nomad_driver.watcher.multinode import scale_replica, set_replica_count
-from nomad_driver.watcher.reconcile import (
+from nomad_driver.watcher.decisions import (
     Action,
     Activate,
     Decision,
@@ -37,8 +33,12 @@ from nomad_driver.watcher.reconcile import (
     RegisterJob,
     Scale,
     WriteState,
-    model_health,
 )
+from nomad_driver.watcher.engine_errors import EngineErrors
+from nomad_driver.watcher.fenced import FencedStates
+from nomad_driver.watcher.health_text import model_health
+from nomad_driver.watcher.leader import Leadership, LeaseLost
+from nomad_driver.watcher.multinode import scale_replica, set_replica_count
 
 log = logging.getLogger("llmgw.watcher")
 

@@ -27,8 +27,8 @@ from nomad_driver.node_meta import ENGINE_KEY_PREFIX, FABRIC_KEY, engine_meta_ke
 from nomad_driver.placement import job_fabric
 from nomad_driver.spec import redact
 from nomad_driver.summary import fleet_summary, gpu_use, held_devices, node_state
+from nomad_driver.watcher.decisions import ModelView
 from nomad_driver.watcher.loop import NotLeader, UnknownModel, Watcher
-from nomad_driver.watcher.reconcile import ModelView
 from nomad_driver.watcher.scaling import REASONS
 
 # Node meta key -> engine name. The key is a mangled name (`llama.cpp` and `llama_cpp` would

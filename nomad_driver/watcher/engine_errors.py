@@ -12,15 +12,9 @@ from dataclasses import replace
 from nomad_driver.nomad import Nomad, NomadError
 from nomad_driver.spec import redact
 from nomad_driver.watcher import parking
-from nomad_driver.watcher.reconcile import (
-    Action,
-    Decision,
-    ModelView,
-    Park,
-    WriteState,
-    model_health,
-    same_state,
-)
+from nomad_driver.watcher.decisions import Action, Decision, ModelView, Park, WriteState
+from nomad_driver.watcher.health_text import model_health
+from nomad_driver.watcher.reconcile import same_state
 
 log = logging.getLogger("llmgw.watcher")
 

@@ -9,7 +9,8 @@ import logging
 from collections.abc import Mapping
 
 from nomad_driver.state import ModelState
-from nomad_driver.watcher.reconcile import Decision, ModelView, reconcile
+from nomad_driver.watcher.decisions import Decision, ModelView
+from nomad_driver.watcher.reconcile import reconcile
 
 log = logging.getLogger("llmgw.watcher")
 

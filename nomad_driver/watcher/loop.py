@@ -37,6 +37,8 @@ from nomad_driver.state import (
     state_key,
 )
 from nomad_driver.watcher.acting import Actor
+from nomad_driver.watcher.counting import retried
+from nomad_driver.watcher.decisions import Decision, ModelView, Park
 from nomad_driver.watcher.engine_errors import EngineErrors
 from nomad_driver.watcher.feeds import AllocationFeed, JobFeed
 from nomad_driver.watcher.fenced import FencedStates
@@ -49,16 +51,10 @@ from nomad_driver.watcher.in_flight import (
     routers_change_at,
 )
 from nomad_driver.watcher.isolation import BrokenModels, broken_decision, reconcile_each
+from nomad_driver.watcher.job_facts import job_group
 from nomad_driver.watcher.leader import LeaderInfo, Leadership, LeaseLost
 from nomad_driver.watcher.quiet import quiet_until, record_differences, verify_file
-from nomad_driver.watcher.reconcile import (
-    DEFAULT_MAX_START_FAILURES,
-    Decision,
-    ModelView,
-    Park,
-    job_group,
-    retried,
-)
+from nomad_driver.watcher.reconcile import DEFAULT_MAX_START_FAILURES
 from nomad_driver.watcher.replicas import (
     busy_floor_of,
     list_replicas,

@@ -26,7 +26,7 @@ import os
 from collections.abc import Mapping
 from math import inf
 
-from nomad_driver.watcher.reconcile import Decision, ModelView
+from nomad_driver.watcher.decisions import Decision, ModelView
 
 log = logging.getLogger("llmgw.watcher")
 

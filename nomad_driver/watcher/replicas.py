@@ -9,7 +9,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from nomad_driver.node_meta import FABRIC_KEY
-from nomad_driver.watcher.reconcile import ModelView
+from nomad_driver.watcher.decisions import ModelView
 from nomad_driver.watcher.replica_starts import is_shard
 from nomad_driver.watcher.scaling import busy_floor
 
