@@ -1,0 +1,251 @@
+"""What clients see while a serving model's definition changes: failed requests and latency
+from the moment the new definition is written, for a good new file and for a broken one.
+
+Real parts throughout: Consul, the Nomad stand-in running real `llama-server` engines (one
+slot each), and `llmgw watcher` and `llmgw router` as processes. One model, two replicas,
+asked one chat every `--every` seconds by a client that waits for each answer (as the issue's
+reproduction did). Two changes, one after the other:
+
+- `good`: its file is replaced by another good one; measured from the write until both
+  replicas of the new definition pass their checks, plus `--settle` seconds;
+- `broken`: its file is replaced by one llama.cpp cannot load (an unknown architecture);
+  measured for `--broken-seconds` after the write, which covers its five failed starts and
+  the parking.
+
+Printed per change: requests, failed, p50/p99 and the longest answer, and how long the model
+took to serve its new definition (or to be parked). The column to compare is `failed`: a
+definition change replaces every replica in place today (model jobs make no deployments), so
+the broken file takes the working model down. Issue 34's rollout is measured beside it here
+once it exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import yaml
+
+from bench._support import REPO, start_standin
+from bench.scale_bench import _up, passing, pct, wait
+from devstack import lifetime
+from devstack.consul_agent import ConsulAgent
+from devstack.gguf_tiny import write_tiny_gguf
+from devstack.llama_cpp import install_llama_cpp, llama_cpp_node
+from devstack.ports import free_port
+
+MODEL = "tiny"
+JOB = f"llmgw-{MODEL}"
+PROFILE = """
+profiles:
+  one-slot:
+    engine: llama.cpp
+    engine_version: b6500
+    gpus: 0
+    cpu_mhz: 500
+    memory_mib: 512
+    context: 256
+    args: ["--parallel", "1"]
+models:
+"""
+
+
+def models_text(source: Path) -> str:
+    return (
+        PROFILE
+        + f"  {MODEL}:\n    source: file://{source}\n    profile: one-slot\n    replicas: {{min: 2, max: 2}}\n"
+    )
+
+
+@dataclass
+class Change:
+    name: str
+    requests: list[tuple[float, float, int]] = field(
+        default_factory=list
+    )  # since the change, seconds, status
+    settled_s: float | None = None  # new definition serving, or the model parked
+    outcome: str = ""
+
+
+class PacedClient:
+    """One chat every `every` seconds, each waited for: a steady trickle, as an application's."""
+
+    def __init__(self, url: str, every: float) -> None:
+        self.url, self.every = url, every
+        self.log: list[tuple[float, float, int]] = []  # start (monotonic), seconds, status
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=120) as http:
+            while not self._stop.is_set():
+                started = time.monotonic()
+                try:
+                    status = http.post(
+                        f"{self.url}/v1/chat/completions",
+                        json={
+                            "model": MODEL,
+                            "messages": [{"role": "user", "content": "hi"}],
+                            "max_tokens": 8,
+                        },
+                    ).status_code
+                except httpx.HTTPError:
+                    status = 0
+                took = time.monotonic() - started
+                self.log.append((started, took, status))
+                self._stop.wait(max(0.0, self.every - took))
+
+    def since(self, t0: float, t1: float) -> list[tuple[float, float, int]]:
+        return [(s - t0, d, st) for s, d, st in list(self.log) if t0 <= s < t1]
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(130)
+
+
+def new_definition_serving(nomad: str, consul: str) -> bool:
+    """Both replicas run the job's newest version and pass their checks."""
+    try:
+        job = httpx.get(f"{nomad}/v1/job/{JOB}", timeout=5).json()
+        allocs = httpx.get(f"{nomad}/v1/job/{JOB}/allocations", timeout=5).json()
+    except (httpx.HTTPError, ValueError):
+        return False
+    current = [
+        a
+        for a in allocs
+        if a.get("JobVersion") == job.get("Version")
+        and a.get("ClientStatus") == "running"
+        and a.get("DesiredStatus") == "run"
+    ]
+    stale = [
+        a for a in allocs if a.get("JobVersion") != job.get("Version") and a.get("ClientStatus") == "running"
+    ]
+    return len(current) >= 2 and not stale and passing(consul, MODEL) >= 2
+
+
+def parked(consul: str) -> bool:
+    try:
+        r = httpx.get(f"{consul}/v1/kv/llmgw/state/{MODEL}", params={"raw": "1"}, timeout=5)
+        return r.status_code == 200 and bool(r.json().get("parked"))
+    except (httpx.HTTPError, ValueError):
+        return False
+
+
+def run_change(
+    change: Change, client: PacedClient, consul: str, nomad: str, source: Path, args: argparse.Namespace
+) -> None:
+    t0 = time.monotonic()
+    httpx.put(f"{consul}/v1/kv/llmgw/config/models", content=models_text(source)).raise_for_status()
+    if change.name == "good":
+        deadline = t0 + args.timeout
+        while time.monotonic() < deadline and not new_definition_serving(nomad, consul):
+            time.sleep(0.2)
+        if new_definition_serving(nomad, consul):
+            change.settled_s = time.monotonic() - t0
+            change.outcome = "new definition serving"
+        else:
+            change.outcome = f"new definition not serving after {args.timeout:.0f}s"
+        time.sleep(args.settle)
+    else:
+        end = t0 + args.broken_seconds
+        while time.monotonic() < end:
+            if change.settled_s is None and parked(consul):
+                change.settled_s = time.monotonic() - t0
+                change.outcome = "parked"
+            time.sleep(0.2)
+        change.outcome = change.outcome or "not parked"
+    change.requests = client.since(t0, time.monotonic())
+
+
+def report(changes: list[Change], every: float) -> None:
+    print(f"one chat every {every:.2f}s, waited for; a definition change replaces the replicas in place")
+    print(
+        f"{'change':<8} {'requests':>8} {'failed':>7} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} {'settled s':>10}  outcome"
+    )
+    for c in changes:
+        ok = [d for _, d, st in c.requests if st == 200]
+        failed = sum(1 for _, _, st in c.requests if st != 200)
+        longest = max((d for _, d, _ in c.requests), default=float("nan"))
+        settled = f"{c.settled_s:.1f}" if c.settled_s is not None else "-"
+        print(
+            f"{c.name:<8} {len(c.requests):>8} {failed:>7} {pct(ok, 0.5) * 1000:>8.0f} "
+            f"{pct(ok, 0.99) * 1000:>8.0f} {longest * 1000:>8.0f} {settled:>10}  {c.outcome}"
+        )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--every", type=float, default=0.5, help="seconds between the client's chats")
+    parser.add_argument("--settle", type=float, default=5.0, help="seconds measured after the new one serves")
+    parser.add_argument(
+        "--broken-seconds", type=float, default=90.0, help="seconds measured after the broken write"
+    )
+    parser.add_argument("--timeout", type=float, default=180.0, help="longest wait for the new definition")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="llmgw-update-bench-") as tmp_name:
+        tmp = Path(tmp_name)
+        engines = tmp / "engines"
+        install_llama_cpp(engines)
+        first = write_tiny_gguf(tmp / "first.gguf", seed=1)
+        second = write_tiny_gguf(tmp / "second.gguf", seed=2)
+        broken = write_tiny_gguf(tmp / "broken.gguf", architecture="kev")
+        nodes = tmp / "nodes.yaml"
+        nodes.write_text(yaml.safe_dump({"nodes": [llama_cpp_node("cpu-0", engines)]}))
+        agent = ConsulAgent(die_with_parent=True).start()
+        procs: list[subprocess.Popen[bytes]] = []
+        try:
+            standin, nomad = start_standin(tmp, nodes, agent.url)
+            procs.append(standin)
+            env = {**os.environ, "CONSUL_HTTP_ADDR": agent.url, "NOMAD_ADDR": nomad}
+            admin, router_port = free_port(), free_port()
+            for name, argv in (
+                ("watcher", ["watcher", "--listen", f"127.0.0.1:{admin}"]),
+                ("router", ["router", "--listen", f"127.0.0.1:{router_port}"]),
+            ):
+                log = (tmp / f"{name}.log").open("wb")
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", "nomad_driver.cli", *argv],
+                        cwd=REPO,
+                        env=env,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        preexec_fn=lifetime.die_with_parent,
+                    )
+                )
+            router = f"http://127.0.0.1:{router_port}"
+            wait(lambda: _up(f"{router}/healthz"), 30, "the router")
+            httpx.put(f"{agent.url}/v1/kv/llmgw/config/models", content=models_text(first)).raise_for_status()
+            wait(lambda: passing(agent.url, MODEL) >= 2, 180, f"{MODEL}'s 2 replicas ready")
+            client = PacedClient(router, args.every)
+            try:
+                time.sleep(5)  # a steady state to begin from
+                changes = [Change("good"), Change("broken")]
+                run_change(changes[0], client, agent.url, nomad, second, args)
+                run_change(changes[1], client, agent.url, nomad, broken, args)
+            finally:
+                client.stop()
+            report(changes, args.every)
+            return 0
+        finally:
+            for p in reversed(procs):
+                p.terminate()
+            for p in procs:
+                try:
+                    p.wait(15)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+            agent.stop()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
