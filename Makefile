@@ -38,7 +38,7 @@ export LLMGW_CHROMIUM_BIN := $(CHROMIUM_BIN)
 export LLMGW_LLAMA_SERVER_BIN := $(LLAMA_SERVER_BIN)
 export LLMGW_RPC_SERVER_BIN := $(RPC_SERVER_BIN)
 
-.PHONY: setup test test-fast lint typecheck pytest demo clean wrk
+.PHONY: setup test test-fast lint typecheck pytest demo clean wrk wrk-check
 
 setup: $(VENV)/.installed $(CONSUL_BIN) $(PROMTOOL_BIN) $(PROMETHEUS_BIN) $(CHROMIUM_BIN) $(LLAMA_CPP_STAMP)
 
@@ -121,6 +121,12 @@ wrk: $(WRK_BIN)
 $(WRK_BIN):
 	bash devstack/fetch-deb.sh "wrk libluajit-5.1-2" bookworm $(CACHE)/wrk
 	@test -x $@
+
+# The router against a bare aiohttp proxy under wrk, alone (router_bench.py runs it at its end too).
+# It needs what `make setup` made, and does not depend on it: in a git worktree that shares a
+# checkout's virtualenv, setup would re-point the venv's editable install at the worktree.
+wrk-check: wrk
+	$(PY) bench/router_bench.py --wrk-only
 
 # Debian's chromium for the browser tests (Playwright drives it; it never downloads a browser),
 # with whichever of its libraries this machine lacks, unpacked privately like the rest.

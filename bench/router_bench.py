@@ -657,11 +657,20 @@ def main() -> int:
         default=True,
         help="also compare the router with the aiohttp proxy under wrk (64 connections), if unpacked (make wrk)",
     )
+    parser.add_argument(
+        "--wrk-only",
+        action="store_true",
+        help="only the wrk comparison (stub, aiohttp proxy, router), nothing else of the bench",
+    )
     parser.add_argument("--serve", choices=["stub", "baseline"], help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--upstream", default="", help=argparse.SUPPRESS)
     parser.add_argument("--client", default="aiohttp", choices=CLIENTS, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.wrk_only:
+        if not wrk_check.available():
+            parser.error("wrk is not unpacked; run 'make wrk' first")
+        args.litellm = args.compare = args.activation = args.failover = False
     if args.serve:
         serve(args.serve, args.port, args.upstream, args.client)
         return 0
@@ -782,6 +791,8 @@ def run(args: argparse.Namespace, agent: ConsulAgent, procs: Procs, tmp: Path) -
         procs.start("stub2", [*me, "--serve", "stub", "--port", str(stub2_port)])
         stub2 = f"http://127.0.0.1:{stub2_port}"
         wait_http(f"{stub2}/v1/models")
+    if args.wrk_only:
+        return wrk_compare(targets, args.seconds)
     code = run_loop(measure(targets, agent.url, stub2, stub2_port, activating, nomad, litellm_version, args))
     if args.wrk and wrk_check.available():
         code |= wrk_compare(targets, args.seconds)

@@ -5,7 +5,8 @@ for a model with no ready replica ignores the previous placement result and make
 attempt, then waits for *that attempt's* evaluation, not for the whole activation window.
 
 The router never calls Nomad: the leading watcher is the one writer of every job's count. A
-request *asks*: its router publishes the ask (a timestamp) in its `llmgw/inflight/<router>` key
+request *asks*: its router publishes the ask (a timestamp, always later than any attempt the
+router has seen; see `ActivityRecorder.ask`) in its `llmgw/inflight/<router>` key
 at once, the leader sees it on its blocking query, applies the same rule as for load (0 -> 1,
 or the count the load wants), makes the scale call, reads the evaluation and records the
 attempt in `llmgw/state/<model>` (`attempt: {asked, at, eval, result, reason}`). A request
@@ -77,7 +78,7 @@ class Room:
 class Activator:
     def __init__(
         self,
-        ask: Callable[[str], float],
+        ask: Callable[[str, float], float],
         served: Callable[[str], None],
         discovery: Discovery,
         metrics: RouterMetrics,
@@ -85,8 +86,9 @@ class Activator:
         retry_after_s: int,
         max_waiting: int = 128,
     ) -> None:
-        # `ask(model)` publishes an ask and returns its time; `served(model)` notes the model
-        # in use once placed (its activity, written at once).
+        # `ask(model, after)` publishes an ask later than `after` (the latest attempt seen) and
+        # returns it; `served(model)` notes the model in use once placed (its activity, written
+        # at once).
         self.ask = ask
         self.served = served
         self.discovery = discovery
@@ -240,7 +242,9 @@ class Activator:
 
     async def _ask_and_wait(self, model: Model) -> AttemptResult:
         """Ask the leading watcher and wait for its attempt for this ask (or a later one)."""
-        asked = self.ask(model.name)
+        state = self.discovery.snapshot.states.get(model.name)
+        seen = state.attempt.asked if state is not None and state.attempt is not None else 0.0
+        asked = self.ask(model.name, seen)
         window = self.timeouts.evaluation_s
         deadline = time.monotonic() + window
         while True:

@@ -43,6 +43,8 @@ Writer = Callable[[str, str], Awaitable[None]]
 WAITING = ""
 # Prompt writes (an ask, a burst) are at most this often: a storm of asks is one write.
 PROMPT_GAP_S = 0.1
+# An ask is a time in milliseconds (as published); one after another is at least this much later.
+ASK_STEP_S = 0.001
 
 
 def default_router_id() -> str:
@@ -69,11 +71,17 @@ class ActivityRecorder:
         self._published: dict[str, int] = {}
         self._wake = asyncio.Event()
 
-    def ask(self, model: str) -> float:
-        """A request found no ready replica: publish an ask at once and return its time, which
-        the leader's attempt for it will carry (`ModelState.attempt.asked`). Called while that
-        request counts as in flight (`begin(model, WAITING)`), so the ask goes out with it."""
-        at = round(time.time(), 3)
+    def ask(self, model: str, after: float = 0.0) -> float:
+        """A request found no ready replica: publish an ask at once and return it; the leader's
+        attempt for it will carry it (`ModelState.attempt.asked`). Called while that request
+        counts as in flight (`begin(model, WAITING)`), so the ask goes out with it.
+
+        An ask is this router's clock, but never at or below `after`, the latest attempt this
+        router has seen: asks are compared across routers, and a router whose clock runs behind
+        another's would otherwise take an attempt made before its request, for another
+        router's ask, as the answer to its own (a stale "unplaceable", or no scale-up at all).
+        Like a Lamport clock, each ask follows every answer this router has seen."""
+        at = max(round(time.time(), 3), round(after + ASK_STEP_S, 3))
         self._asks[model] = max(at, self._asks.get(model, 0.0))
         self._wake.set()
         return self._asks[model]

@@ -52,6 +52,8 @@ Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
 CLIENT_CLOSED = 499
+# This router's view of every replica, outlier ejections included (`llmgw ctl replicas --router`).
+REPLICAS_PATH = "/v1/router/replicas"
 # The head of a stream that starts before its replica is ready (keepalive comments first).
 SSE_HEADERS = (
     (b"content-type", b"text/event-stream; charset=utf-8"),
@@ -181,6 +183,10 @@ class RouterApp:
                     self._check_method(scope, "GET")
                     self._authenticate(scope)
                     await send_json(send, 200, self.model_entry(path[len("/v1/models/") :]))
+                elif path == REPLICAS_PATH:
+                    self._check_method(scope, "GET")
+                    self._authenticate(scope)
+                    await send_json(send, 200, {"replicas": self.replica_views()})
                 elif path == "/healthz":
                     self._check_method(scope, "GET")
                     status, body = self.health()
@@ -390,6 +396,11 @@ class RouterApp:
         if model not in snapshot.known_models():
             raise errors.model_not_found(model, snapshot.known_models())
         return views.model_entry(model, snapshot, self.activator.in_flight(model))
+
+    def replica_views(self) -> list[dict[str, Any]]:
+        return views.replica_views(
+            self.discovery.snapshot, self.balancer.outliers, self.balancer.outstanding, time.monotonic()
+        )
 
     def health(self) -> tuple[int, dict[str, Any]]:
         return views.health(self.discovery, self.config.consul.addr)

@@ -30,7 +30,7 @@ from router.errors import RouterError
 from router.metrics import RouterMetrics
 from router.proxy import StreamBroken, relay_body, response_headers
 from router.routing import Balancer, prefix_hashes, prompt_text, session_hash
-from router.upstream import ConnectFailed, RequestLost, Upstream, UpstreamTimeout
+from router.upstream import ConnectFailed, RequestLost, Upstream, UpstreamTimeout, keeps_connections
 
 log = logging.getLogger("llmgw.router")
 
@@ -89,7 +89,9 @@ class Forwarder:
     ) -> int:
         balancer = self.balancer
         definition = self.discovery.snapshot.models.get(model)
-        assembled = needs_stream(definition.profile.engine if definition else None, path, request)
+        engine = definition.profile.engine if definition else None
+        assembled = needs_stream(engine, path, request)
+        reuse = keeps_connections(engine)
         if assembled:
             body = streamed_body(request)
         tried: list[Hashable] = []
@@ -129,7 +131,7 @@ class Forwarder:
             try:
                 client.phase = UPSTREAM
                 try:
-                    resp = await self.upstream.open(self._url(replica, path), body)
+                    resp = await self.upstream.open(self._url(replica, path), body, reuse=reuse)
                 except ConnectFailed as exc:
                     # Never sent: another replica may take it.
                     tried.append(key)

@@ -34,6 +34,7 @@ class Standing:
     failures: int = 0  # 5xx or timeouts in a row
     ejections: int = 0  # times ejected since its last success
     until: float = 0.0  # ejected until (monotonic); 0 when in rotation
+    reason: str = ""  # why it was last ejected (REASONS)
 
 
 class Outliers:
@@ -79,8 +80,13 @@ class Outliers:
         self, replica: Hashable, standing: Standing, until: float, reason: str, seconds: float
     ) -> None:
         standing.until = until
+        standing.reason = reason
         self._ejected[replica] = until
         self.on_eject(replica, reason, seconds)
+
+    def standing(self, replica: Hashable) -> Standing | None:
+        """The replica's record: None while it has no failure since its last success."""
+        return self._standing.get(replica)
 
     def ejected(self, now: float) -> set[Hashable]:
         return {r for r, until in self._ejected.items() if until > now}

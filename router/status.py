@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Collection, Hashable
+from collections.abc import Callable, Collection, Hashable, Mapping
 from typing import Any
 
 from nomad_driver.spec import redact
 from router import errors
 from router.discovery import Discovery, Snapshot
+from router.outliers import Outliers
 
 
 def models_listing(snapshot: Snapshot, activating: Callable[[str], bool]) -> dict[str, Any]:
@@ -98,4 +99,35 @@ def replica_counts(snapshot: Snapshot, ejected: Collection[Hashable]) -> list[tu
         rows.append((model, "ready", ready))
         rows.append((model, "unready", len(replicas) - ready))
         rows.append((model, "ejected", sum(1 for r in replicas if r.key in ejected)))
+    return rows
+
+
+def replica_views(
+    snapshot: Snapshot, outliers: Outliers, outstanding: Mapping[Hashable, int], now: float
+) -> list[dict[str, Any]]:
+    """Every replica this router knows, as it routes to it: Consul's word on it, the requests it
+    has from this router, and whether this router keeps it out of rotation (outlier ejection),
+    for how much longer and why. Each router ejects on what it saw itself, so routers differ."""
+    rows: list[dict[str, Any]] = []
+    for model in sorted(snapshot.replicas):
+        for replica in snapshot.replicas[model]:
+            standing = outliers.standing(replica.key)
+            left = standing.until - now if standing is not None else 0.0
+            ejected = left > 0
+            rows.append(
+                {
+                    "model": model,
+                    "id": replica.id,
+                    "node": replica.node,
+                    "address": f"{replica.host}:{replica.port}",
+                    "status": replica.status,
+                    "in_flight": outstanding.get(replica.key, 0),
+                    "ejected": ejected,
+                    "ejected_for_s": round(left, 1) if ejected else 0.0,
+                    "ejection_reason": standing.reason if ejected and standing is not None else None,
+                    # Since its last success: the next ejection lasts this many base periods more.
+                    "ejections": standing.ejections if standing is not None else 0,
+                    "failures_in_a_row": standing.failures if standing is not None else 0,
+                }
+            )
     return rows

@@ -1,4 +1,4 @@
-"""The connections to replicas: one aiohttp session, connections bounded per replica, and the
+"""The connections to replicas: aiohttp sessions, connections bounded per replica, and the
 rule for when a request may go out again.
 
 A request is sent again only when the engine provably did not see it: the connection could not
@@ -6,12 +6,19 @@ be opened (refused, timed out connecting). Once any byte of the request went out
 that closes without an answer is final (`RequestLost`): the engine may have acted on it, and a
 prompt that crashes its engine, sent again, crashes the next replica too.
 
-So each request has a connection of its own. llama-server was seen closing a kept-alive
-connection 0.45 ms after a request went out on it, under a load burst, with no answer and no
-crash: a request lost that the router may not send again (3 of 14 runs of the load-scaling
-test; none of 6 with a connection per request, and none of 5 before the rule above, which sent
-it again). Opening a connection costs a fraction of a millisecond on a cluster's network,
-nothing beside a completion.
+So a connection is kept for the next request only to an engine that keeps it open itself.
+llama.cpp's llama-server does not: after every streamed answer it closes the connection at
+once, although the answer's head said `Keep-Alive: timeout=5, max=100` (its chunked content
+provider returns false after `sink.done()`, which cpp-httplib 0.58 takes as a failed write and
+ends the connection; measured: the close arrives 0.02 ms after the answer's last byte). A
+request written on that connection in between, which a burst does, is read and dropped by the
+closing server: lost, and not to be sent again (3 of 14 load-scaling runs, before). The router
+asks llama-server for a stream even for a non-streamed completion (router/assemble.py), so
+nearly every connection to it would end so; it gets a connection per request, which costs a
+fraction of a millisecond beside a completion. The uvicorn engines (llama-cpp-python, vLLM)
+keep a connection until it has been idle 5 s, and the router stops reusing one well before
+that, so it is never written to as the engine closes it. A replica whose engine the router does
+not know (no definition) gets a connection per request too.
 """
 
 from __future__ import annotations
@@ -23,6 +30,17 @@ from router.config import Limits, Timeouts
 from router.proxy import Held
 
 UPSTREAM_HEADERS = {"Content-Type": "application/json", "Accept-Encoding": "identity"}
+# Engines served by uvicorn, which keeps a connection open between requests until it has been
+# idle for its `timeout_keep_alive` (5 s unless changed; llama-cpp-python and vLLM keep it).
+KEEP_ALIVE_ENGINES = frozenset({"llama-cpp-python", "vllm"})
+# A pooled connection idle this long is closed rather than reused: under the engines' 5 s, with
+# room for a slow loop, so the router never writes into a connection the engine is closing.
+IDLE_REUSE_S = 2.0
+
+
+def keeps_connections(engine: str | None) -> bool:
+    """Whether a connection to a replica of `engine` may carry more than one request."""
+    return engine in KEEP_ALIVE_ENGINES
 
 
 class ConnectFailed(Exception):
@@ -47,7 +65,8 @@ class Upstream:
         self.timeouts = timeouts
         self.limits = limits
         self.held = Held()
-        self._session: aiohttp.ClientSession | None = None
+        self._pooled: aiohttp.ClientSession | None = None
+        self._fresh: aiohttp.ClientSession | None = None
         self._request_timeout = aiohttp.ClientTimeout(
             total=None,
             # The pool's own wait as well as connecting; the request path keeps requests per
@@ -60,29 +79,40 @@ class Upstream:
         )
 
     async def start(self) -> None:
-        self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(
+        self._pooled = self._new_session(
+            aiohttp.TCPConnector(
                 limit=0,
                 limit_per_host=self.limits.max_per_replica,
-                # No keep-alive: a request on a connection the engine is closing is lost
-                # (above).
-                force_close=True,
+                keepalive_timeout=IDLE_REUSE_S,
                 ttl_dns_cache=300,
-            ),
+            )
+        )
+        self._fresh = self._new_session(
+            aiohttp.TCPConnector(
+                limit=0, limit_per_host=self.limits.max_per_replica, force_close=True, ttl_dns_cache=300
+            )
+        )
+
+    def _new_session(self, connector: aiohttp.TCPConnector) -> aiohttp.ClientSession:
+        return aiohttp.ClientSession(
+            connector=connector,
             timeout=self._request_timeout,
             auto_decompress=False,
             skip_auto_headers=("User-Agent",),
         )
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-        self._session = None
+        for session in (self._pooled, self._fresh):
+            if session is not None:
+                await session.close()
+        self._pooled = self._fresh = None
 
-    async def open(self, url: URL, body: bytes) -> aiohttp.ClientResponse:
-        assert self._session is not None, "upstream session not started"
+    async def open(self, url: URL, body: bytes, *, reuse: bool = False) -> aiohttp.ClientResponse:
+        """POST `body` to `url`, on a pooled connection when `reuse` (see keeps_connections)."""
+        session = self._pooled if reuse else self._fresh
+        assert session is not None, "upstream session not started"
         try:
-            return await self._session.post(url, data=body, headers=UPSTREAM_HEADERS)
+            return await session.post(url, data=body, headers=UPSTREAM_HEADERS)
         except aiohttp.ConnectionTimeoutError as exc:
             raise ConnectFailed(f"connect timed out after {self.timeouts.connect_s:g}s") from exc
         except aiohttp.SocketTimeoutError as exc:

@@ -297,7 +297,6 @@ ELSEWHERE: dict[str, tuple[str, str]] = {
         "the stand-in's simulated hardware: the GPUs a process on a simulated node can see",
     ),
     "LLMGW_PROMETHEUS_BIN": ("devstack/prometheus.py", "the dev stack's Prometheus server"),
-    "LLMGW_ROUTER_URL": ("devstack/stack.py", "written into .devstack/env for your shell: the router's URL"),
 }
 
 

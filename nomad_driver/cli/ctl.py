@@ -27,6 +27,7 @@ from nomad_driver.cli.admin_client import (
     AdminUnreachable,
     UnknownModel,
 )
+from nomad_driver.cli.router_view import join_routing, router_replicas, routing_cell
 from nomad_driver.fields import as_int
 
 EXIT_CHECK_FAILED = 1
@@ -497,14 +498,41 @@ def nodes_cmd(
 def replicas_cmd(
     ctx: typer.Context,
     as_json: bool = typer.Option(False, "--json", help="Print the admin API's JSON."),
+    routers: list[str] = typer.Option(
+        [],
+        "--router",
+        envvar="LLMGW_ROUTER_URL",
+        help="A router to ask which replicas it keeps out of rotation (outlier ejection); repeatable (space-separated in the environment).",
+        show_default=False,
+    ),
+    router_key: str | None = typer.Option(
+        None,
+        "--router-key",
+        envvar="LLMGW_ROUTER_API_KEY",
+        help="An API key of the routers, when they ask for one.",
+        show_default=False,
+    ),
 ) -> None:
     """Every replica: model, node, address, state and since when; a multi-node replica with its
-    fabric and its shards' nodes and states."""
+    fabric and its shards' nodes and states; with --router, whether each router named keeps it
+    in rotation or has ejected it, for how much longer and why."""
     client = client_of(ctx)
     with admin_errors():
         rows = client.replicas()
+    asked: list[dict[str, Any]] = []
+    views: list[tuple[str, list[dict[str, Any]]]] = []
+    for url in routers:
+        try:
+            views.append((url, router_replicas(url, router_key)))
+            asked.append({"router": url, "error": None})
+        except RuntimeError as exc:
+            # The watcher's rows still stand; the table says what this router could not.
+            typer.echo(str(exc), err=True)
+            asked.append({"router": url, "error": str(exc)})
+    if routers:
+        join_routing(rows, views)
     if as_json:
-        print_json({"replicas": rows})
+        print_json({"replicas": rows, **({"routers": asked} if routers else {})})
         return
     table = Table(title="replicas", title_justify="left")
     split = any(r.get("shards") for r in rows)
@@ -516,6 +544,7 @@ def replicas_cmd(
         "ADDRESS",
         "STATE",
         "SINCE",
+        *(("ROUTING",) if routers else ()),
     )
     for column in columns:
         table.add_column(column)
@@ -535,6 +564,11 @@ def replicas_cmd(
             if split
             else ()
         )
+        routing: tuple[Text, ...] = ()
+        if routers:
+            entries = r.get("routing") or []
+            ejected = any(e.get("ejected") for e in entries)
+            routing = (Text(routing_cell(entries, len(routers) > 1), style="bold red" if ejected else ""),)
         table.add_row(
             str(r.get("model", "")),
             str(r.get("alloc_id", ""))[:8],
@@ -543,5 +577,6 @@ def replicas_cmd(
             str(r.get("address", "")),
             Text(state, style=styles.get(state, "")),
             when,
+            *routing,
         )
     _console().print(table)

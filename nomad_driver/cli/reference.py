@@ -54,6 +54,9 @@ ENV_NOTES: dict[str, str] = {
         "(else a new directory under `/tmp`) and logs where; `llmgw ctl`: the token it sends"
     ),
     "LLMGW_API_KEYS": "the router: API keys, comma-separated (with `--api-keys-file`)",
+    "LLMGW_ROUTER_URL": "`llmgw ctl replicas`: routers to ask for their outlier ejections (`--router`); "
+    "the dev stack exports its router's",
+    "LLMGW_ROUTER_API_KEY": "`llmgw ctl replicas`: the API key it sends to those routers",
     "LLMGW_TLS_CERTS": "more certificate files whose expiry is published, comma-separated",
     "LLMGW_ROUTER_CLIENT_SEND_S": "the router: seconds a client may stop reading before it is dropped; default 30",
     "LLMGW_ROUTER_MAX_WAITING": "the router: requests that may wait for one model's replica; default 128, then 429",

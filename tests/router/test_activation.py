@@ -288,6 +288,43 @@ def test_no_watcher_answering_is_a_retryable_503_naming_it(
     router.expect_metric("llmgw_router_activations_total", 1, model="tiny", result="error")
 
 
+def test_an_attempt_answering_another_routers_later_clock_is_not_taken_for_this_requests_answer(
+    consul_url: str, start_router: StartRouter
+) -> None:
+    """Asks from several routers are compared. Another router's clock runs an hour ahead of this
+    one's; the watcher answered its ask ("unplaceable", before this request arrived). This
+    router's ask must come after that attempt, so the request waits for an attempt of its own
+    (here none comes: no watcher) instead of taking the old answer as current."""
+    put_kv(
+        consul_url,
+        "llmgw/config/models",
+        models_yaml(Path("/models/tiny.gguf"), Path("/models/kev.gguf")),
+    )
+    ahead = round(time.time() + 3600, 3)
+    old = {"asked": ahead, "at": ahead, "eval": "e-old", "result": "unplaceable", "reason": "no room then"}
+    put_state(consul_url, "tiny", attempt=old)
+    router = start_router(consul_url, activation=True, timeouts=Timeouts(evaluation_s=2.0))
+    wait_until(lambda: "tiny" in router.app.discovery.snapshot.states, 10, "the old attempt")
+    key = f"llmgw/inflight/{router.app.activity.router_id}"
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(
+            httpx.post,
+            f"{router.url}/v1/chat/completions",
+            json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]},
+            timeout=30,
+        )
+
+        def published_ask() -> float:
+            value = get_kv(consul_url, key)
+            return float(json.loads(value)["models"].get("tiny", {}).get("asked", 0.0)) if value else 0.0
+
+        asked = wait_until(published_ask, 10, "the ask")
+        resp = pending.result()
+    assert asked > ahead
+    assert resp.status_code == 503, resp.text
+    assert resp.json()["error"]["code"] == "activation_failed", resp.text
+
+
 @pytest.mark.slow
 def test_a_waiting_request_hears_a_later_unplaceable_evaluation_and_a_removed_definition(
     make_fleet: MakeFleet, consul_url: str
