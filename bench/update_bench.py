@@ -1,22 +1,23 @@
-"""What clients see while a serving model's definition changes: failed requests and latency
-from the moment the new definition is written, for a good new file and for a broken one.
+"""What clients see while a serving model's definition changes, rolled out beside it against
+replaced in place: failed requests and latency from the moment the new definition is written,
+for a good new file and for a broken one.
 
 Real parts throughout: Consul, the Nomad stand-in running real `llama-server` engines (one
-slot each), and `llmgw watcher` and `llmgw router` as processes. One model, two replicas,
-asked one chat every `--every` seconds by a client that waits for each answer (as the issue's
-reproduction did). Two changes, one after the other:
+slot each), and `llmgw watcher` and `llmgw router` as processes. Two models, one after the
+other in the same stack, alike but for their profile's `update`: `rollout` (`surge`, the
+default: the new definition starts beside the serving one) and `inplace` (`replace`: registered
+over it, all replicas at once). Each has two replicas and is asked one chat every `--every`
+seconds by a client that waits for each answer (as issue 34's reproduction did). Two changes:
 
-- `good`: its file is replaced by another good one; measured from the write until both
-  replicas of the new definition pass their checks, plus `--settle` seconds;
+- `good`: its file is replaced by another good one; measured from the write until only the new
+  definition's replicas pass their checks, plus `--settle` seconds;
 - `broken`: its file is replaced by one llama.cpp cannot load (an unknown architecture);
-  measured for `--broken-seconds` after the write, which covers its five failed starts and
-  the parking.
+  measured for `--broken-seconds` after the write, which covers its five failed starts and the
+  parking.
 
-Printed per change: requests, failed, p50/p99 and the longest answer, and how long the model
-took to serve its new definition (or to be parked). The column to compare is `failed`: a
-definition change replaces every replica in place today (model jobs make no deployments), so
-the broken file takes the working model down. Issue 34's rollout is measured beside it here
-once it exists.
+Printed per model and change: requests, failed, p50/p99 and the longest answer, and how long
+the model took to serve its new definition (or to be parked). Target: the rollout fails no
+request in either change.
 """
 
 from __future__ import annotations
@@ -35,15 +36,15 @@ import httpx
 import yaml
 
 from bench._support import REPO, start_standin
-from bench.scale_bench import _up, passing, pct, wait
+from bench.scale_bench import _up, pct, wait
 from devstack import lifetime
 from devstack.consul_agent import ConsulAgent
 from devstack.gguf_tiny import write_tiny_gguf
 from devstack.llama_cpp import install_llama_cpp, llama_cpp_node
 from devstack.ports import free_port
+from nomad_driver.spec import parse_models
 
-MODEL = "tiny"
-JOB = f"llmgw-{MODEL}"
+MODES = {"rollout": "surge", "inplace": "replace"}
 PROFILE = """
 profiles:
   one-slot:
@@ -54,19 +55,25 @@ profiles:
     memory_mib: 512
     context: 256
     args: ["--parallel", "1"]
+    update: {update}
 models:
 """
 
 
-def models_text(source: Path) -> str:
+def models_text(model: str, source: Path) -> str:
     return (
-        PROFILE
-        + f"  {MODEL}:\n    source: file://{source}\n    profile: one-slot\n    replicas: {{min: 2, max: 2}}\n"
+        PROFILE.format(update=MODES[model])
+        + f"  {model}:\n    source: file://{source}\n    profile: one-slot\n    replicas: {{min: 2, max: 2}}\n"
     )
+
+
+def def_hash(model: str, source: Path) -> str:
+    return parse_models(models_text(model, source)).models[model].def_hash
 
 
 @dataclass
 class Change:
+    model: str
     name: str
     requests: list[tuple[float, float, int]] = field(
         default_factory=list
@@ -78,8 +85,8 @@ class Change:
 class PacedClient:
     """One chat every `every` seconds, each waited for: a steady trickle, as an application's."""
 
-    def __init__(self, url: str, every: float) -> None:
-        self.url, self.every = url, every
+    def __init__(self, url: str, model: str, every: float) -> None:
+        self.url, self.model, self.every = url, model, every
         self.log: list[tuple[float, float, int]] = []  # start (monotonic), seconds, status
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -93,7 +100,7 @@ class PacedClient:
                     status = http.post(
                         f"{self.url}/v1/chat/completions",
                         json={
-                            "model": MODEL,
+                            "model": self.model,
                             "messages": [{"role": "user", "content": "hi"}],
                             "max_tokens": 8,
                         },
@@ -112,53 +119,49 @@ class PacedClient:
         self._thread.join(130)
 
 
-def new_definition_serving(nomad: str, consul: str) -> bool:
-    """Both replicas run the job's newest version and pass their checks."""
+def serving_hashes(consul: str, model: str) -> list[str]:
+    """The definition hash of each of the model's engines passing its check."""
     try:
-        job = httpx.get(f"{nomad}/v1/job/{JOB}", timeout=5).json()
-        allocs = httpx.get(f"{nomad}/v1/job/{JOB}/allocations", timeout=5).json()
+        entries = httpx.get(
+            f"{consul}/v1/health/service/llmgw-engine",
+            params={"passing": "1", "tag": f"model={model}"},
+            timeout=5,
+        ).json()
     except (httpx.HTTPError, ValueError):
-        return False
-    current = [
-        a
-        for a in allocs
-        if a.get("JobVersion") == job.get("Version")
-        and a.get("ClientStatus") == "running"
-        and a.get("DesiredStatus") == "run"
-    ]
-    stale = [
-        a for a in allocs if a.get("JobVersion") != job.get("Version") and a.get("ClientStatus") == "running"
-    ]
-    return len(current) >= 2 and not stale and passing(consul, MODEL) >= 2
+        return []
+    return [str((e.get("Service") or {}).get("Meta", {}).get("def_hash", "")) for e in entries]
 
 
-def parked(consul: str) -> bool:
+def parked(consul: str, model: str) -> bool:
     try:
-        r = httpx.get(f"{consul}/v1/kv/llmgw/state/{MODEL}", params={"raw": "1"}, timeout=5)
+        r = httpx.get(f"{consul}/v1/kv/llmgw/state/{model}", params={"raw": "1"}, timeout=5)
         return r.status_code == 200 and bool(r.json().get("parked"))
     except (httpx.HTTPError, ValueError):
         return False
 
 
 def run_change(
-    change: Change, client: PacedClient, consul: str, nomad: str, source: Path, args: argparse.Namespace
+    change: Change, client: PacedClient, consul: str, source: Path, args: argparse.Namespace
 ) -> None:
     t0 = time.monotonic()
-    httpx.put(f"{consul}/v1/kv/llmgw/config/models", content=models_text(source)).raise_for_status()
+    text = models_text(change.model, source)
+    httpx.put(f"{consul}/v1/kv/llmgw/config/models", content=text).raise_for_status()
     if change.name == "good":
+        new = def_hash(change.model, source)
         deadline = t0 + args.timeout
-        while time.monotonic() < deadline and not new_definition_serving(nomad, consul):
+        while time.monotonic() < deadline:
+            hashes = serving_hashes(consul, change.model)
+            if len(hashes) >= 2 and set(hashes) == {new}:
+                change.settled_s = time.monotonic() - t0
+                change.outcome = "new definition serving"
+                break
             time.sleep(0.2)
-        if new_definition_serving(nomad, consul):
-            change.settled_s = time.monotonic() - t0
-            change.outcome = "new definition serving"
-        else:
-            change.outcome = f"new definition not serving after {args.timeout:.0f}s"
+        change.outcome = change.outcome or f"new definition not serving after {args.timeout:.0f}s"
         time.sleep(args.settle)
     else:
         end = t0 + args.broken_seconds
         while time.monotonic() < end:
-            if change.settled_s is None and parked(consul):
+            if change.settled_s is None and parked(consul, change.model):
                 change.settled_s = time.monotonic() - t0
                 change.outcome = "parked"
             time.sleep(0.2)
@@ -166,10 +169,11 @@ def run_change(
     change.requests = client.since(t0, time.monotonic())
 
 
-def report(changes: list[Change], every: float) -> None:
-    print(f"one chat every {every:.2f}s, waited for; a definition change replaces the replicas in place")
+def report(changes: list[Change], every: float) -> bool:
+    print(f"one chat every {every:.2f}s, waited for; rollout: update surge, inplace: update replace")
     print(
-        f"{'change':<8} {'requests':>8} {'failed':>7} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} {'settled s':>10}  outcome"
+        f"{'model':<8} {'change':<7} {'requests':>8} {'failed':>7} {'p50 ms':>8} {'p99 ms':>8} "
+        f"{'max ms':>8} {'settled s':>10}  outcome"
     )
     for c in changes:
         ok = [d for _, d, st in c.requests if st == 200]
@@ -177,9 +181,17 @@ def report(changes: list[Change], every: float) -> None:
         longest = max((d for _, d, _ in c.requests), default=float("nan"))
         settled = f"{c.settled_s:.1f}" if c.settled_s is not None else "-"
         print(
-            f"{c.name:<8} {len(c.requests):>8} {failed:>7} {pct(ok, 0.5) * 1000:>8.0f} "
+            f"{c.model:<8} {c.name:<7} {len(c.requests):>8} {failed:>7} {pct(ok, 0.5) * 1000:>8.0f} "
             f"{pct(ok, 0.99) * 1000:>8.0f} {longest * 1000:>8.0f} {settled:>10}  {c.outcome}"
         )
+    met = all(
+        all(st == 200 for _, _, st in c.requests) and c.outcome in ("new definition serving", "parked")
+        for c in changes
+        if c.model == "rollout"
+    )
+    verdict = "met" if met else "NOT met"
+    print(f"target (the rollout fails no request, serves the good file and parks the broken one): {verdict}")
+    return met
 
 
 def main() -> int:
@@ -224,18 +236,26 @@ def main() -> int:
                 )
             router = f"http://127.0.0.1:{router_port}"
             wait(lambda: _up(f"{router}/healthz"), 30, "the router")
-            httpx.put(f"{agent.url}/v1/kv/llmgw/config/models", content=models_text(first)).raise_for_status()
-            wait(lambda: passing(agent.url, MODEL) >= 2, 180, f"{MODEL}'s 2 replicas ready")
-            client = PacedClient(router, args.every)
-            try:
-                time.sleep(5)  # a steady state to begin from
-                changes = [Change("good"), Change("broken")]
-                run_change(changes[0], client, agent.url, nomad, second, args)
-                run_change(changes[1], client, agent.url, nomad, broken, args)
-            finally:
-                client.stop()
-            report(changes, args.every)
-            return 0
+            changes: list[Change] = []
+            for model in MODES:
+                text = models_text(model, first)
+                httpx.put(f"{agent.url}/v1/kv/llmgw/config/models", content=text).raise_for_status()
+                wait(
+                    lambda m=model: len(serving_hashes(agent.url, m)) >= 2, 180, f"{model}'s 2 replicas ready"
+                )
+                client = PacedClient(router, model, args.every)
+                try:
+                    time.sleep(5)  # a steady state to begin from
+                    mine = [Change(model, "good"), Change(model, "broken")]
+                    run_change(mine[0], client, agent.url, second, args)
+                    run_change(mine[1], client, agent.url, broken, args)
+                finally:
+                    client.stop()
+                changes += mine
+                for job_id in (f"llmgw-{model}", f"llmgw-{model}~b"):
+                    httpx.delete(f"{nomad}/v1/job/{job_id}", params={"purge": "true"}, timeout=10)
+                wait(lambda m=model: not serving_hashes(agent.url, m), 60, f"{model}'s replicas gone")
+            return 0 if report(changes, args.every) else 1
         finally:
             for p in reversed(procs):
                 p.terminate()

@@ -215,6 +215,13 @@ class Nomad:
         data = self._json(resp, f"scale {job_id}")
         return data if isinstance(data, dict) else {}
 
+    def stop_job(self, job_id: str) -> dict[str, Any]:
+        """`nomad job stop` (not purged: its versions and allocations stay to be read, and
+        registering it again runs it again)."""
+        resp = self._request("job", job_id, method="delete")
+        data = self._json(resp, f"stop {job_id}")
+        return data if isinstance(data, dict) else {}
+
     def force_reschedule(self, job_id: str) -> dict[str, Any]:
         """`nomad job eval -force-reschedule`: Nomad replaces the job's failed allocations now,
         whatever their reschedule policy has left."""

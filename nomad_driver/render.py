@@ -143,13 +143,15 @@ CHECK_INTERVAL = 5 * SECOND
 CHECK_TIMEOUT = 2 * SECOND
 
 
-def render_job(model: Model, *, namespace: str | None = None) -> dict[str, Any]:
+def render_job(model: Model, *, namespace: str | None = None, job_id: str | None = None) -> dict[str, Any]:
     """The Job object for Nomad's API (without the `{"Job": ...}` wrapper of a register call).
 
     Node pool and datacenters come from the model's profile, so `render`, `apply` and the
     watcher place a model alike. The namespace is the cluster's, not the model's: left out
     unless given, a job lands in the namespace of the call that registers it (`NOMAD_NAMESPACE`,
-    which Nomad also prefers over the job's own field), never silently in `default`."""
+    which Nomad also prefers over the job's own field), never silently in `default`. `job_id`:
+    the model's second job ID, for a definition rolled out beside a serving one (a single-node
+    model's; watcher/rollout.py)."""
     if model.profile.nodes > 1:
         return render_replica_job(model, 0, namespace=namespace)
     p = model.profile
@@ -220,8 +222,8 @@ def render_job(model: Model, *, namespace: str | None = None) -> dict[str, Any]:
     }
 
     job: dict[str, Any] = {
-        "ID": model.job_id,
-        "Name": model.job_id,
+        "ID": job_id or model.job_id,
+        "Name": job_id or model.job_id,
         "Type": "service",
     }
     if namespace:

@@ -101,6 +101,10 @@ class Profile(BaseModel):
     # Shards per replica, one per whole node: a model too big for one node runs as `nodes`
     # processes on `nodes` distinct nodes of one fabric. `gpus` is then per node.
     nodes: int = Field(default=1, ge=1, le=64)
+    # How a new definition replaces a serving one (watcher/rollout.py): `surge` starts it beside
+    # the serving replicas and stops them once it is ready, which needs room for both; `replace`
+    # registers it over them, all at once, as on a cluster with no room to spare.
+    update: Literal["surge", "replace"] = "surge"
 
     @field_validator("args", mode="before")
     @classmethod
@@ -180,6 +184,8 @@ def definition_hash(source: str, profile: Profile) -> str:
     # Likewise one node, the default, is left out so that single-node models keep their hash.
     if dumped.get("nodes") == 1:
         dumped.pop("nodes", None)
+    # How a definition is rolled out is not part of it: changing it restarts nothing.
+    dumped.pop("update", None)
     doc = {"source": source, "profile": dumped}
     blob = json.dumps(doc, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(blob.encode()).hexdigest()[:16]

@@ -166,6 +166,11 @@ class ModelState(BaseModel):
     short_reason: str = ""
     # The leader's answer to the latest activation asked by a router (see `Attempt`).
     attempt: Attempt | None = None
+    # A new definition rolls out beside the previous one (watcher/rollout.py): the Nomad job
+    # that still runs the previous definition, serving until the new one's replicas are ready,
+    # then drained and stopped; "" when none. Parked with this set: the update failed, and the
+    # previous definition keeps serving.
+    rollout_from: str = ""
 
     # Built redacted by the watcher; masked on reading too, for a value stored before that or
     # written by hand, since every reader shows it (router, admin API, ctl, the Consul UI).

@@ -76,6 +76,16 @@ class Snapshot:
         registered by hand still gets traffic)."""
         return set(self.models) | set(self.replicas)
 
+    def serving(self, model: str) -> tuple[Replica, ...]:
+        """The ready replicas new requests go to: those of the model's current definition when
+        any is ready (a rollout runs the previous one beside it until then), else all."""
+        ready = self.ready.get(model, ())
+        definition = self.models.get(model)
+        if definition is None or len(ready) < 2:
+            return ready
+        newest = tuple(r for r in ready if r.def_hash == definition.def_hash)
+        return newest or ready
+
 
 def parse_states(entries: Iterable[KVEntry]) -> dict[str, ModelState]:
     """`/v1/kv/llmgw/state/?recurse` -> state by model; a malformed value is logged and read as

@@ -102,7 +102,11 @@ class Forwarder:
         while len(tried) < MAX_CONNECT_ATTEMPTS:
             snapshot = self.discovery.snapshot
             now = time.monotonic()
-            candidates = [r.key for r in snapshot.ready.get(model, ()) if r.key not in tried]
+            candidates = [r.key for r in snapshot.serving(model) if r.key not in tried]
+            if not candidates:
+                # The current definition's replicas were all tried: a previous definition's
+                # that still serve (a rollout) are better than an error.
+                candidates = [r.key for r in snapshot.ready.get(model, ()) if r.key not in tried]
             if not candidates:
                 break
             outstanding = balancer.outstanding

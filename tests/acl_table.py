@@ -193,6 +193,8 @@ CALLS: dict[Component, tuple[Call, ...]] = {
         _nomad("GET", "/v1/jobs?prefix=llmgw-", "watch the model jobs", _ns("list-jobs")),
         _nomad("GET", "/v1/job/<job>", "read a model job", _ns("read-job")),
         _nomad("POST", "/v1/job/<job>", "register or update a model job", _ns("submit-job")),
+        # Job.Deregister wants submit-job (or deregister-job; nomad/job_endpoint.go).
+        _nomad("DELETE", "/v1/job/<job>", "stop a rollout's drained previous job", _ns("submit-job")),
         _nomad(
             "POST",
             "/v1/job/<job>/scale",

@@ -38,7 +38,9 @@ DEMO_REASON = "no node has 1 x nvidia/gpu with memory >= 94000 MiB: 3 nodes filt
 # The documented `--json` shape (docs/operating.md): every key, at every level.
 TOP_KEYS = {"outcome", "exit_code", "summary", "problems", "models"}
 SUMMARY_KEYS = {"added", "changed", "removed", "unchanged", "conflict", "fits_nowhere"}
-MODEL_KEYS = {"model", "job_id", "change", "fields", "replaces_replicas", "on_demand", "placement", "notes"}
+MODEL_KEYS = {
+    "model", "job_id", "change", "fields", "replaces_replicas", "on_demand", "placement", "notes", "surge_from"
+}  # fmt: skip
 FIELD_KEYS = {"field", "old", "new"}
 PLACEMENT_KEYS = {"fits", "count", "reason", "candidates", "preempts", "updates", "fabric", "nodes"}
 CANDIDATE_KEYS = {"node_class", "gpu_model", "nodes"}
@@ -168,10 +170,12 @@ def test_json_shape_is_the_documented_one(cluster: StandIn, demo: Path) -> None:
     assert gemma["change"] == "changed"
     assert gemma["fields"] == [{"field": "profile.gpu_memory_mib", "old": 2000, "new": 3000}]
     assert gemma["placement"]["fits"]
-    # A new definition replaces the running replica (Nomad's destructive update); the on-demand
-    # copy runs none, so nothing of it is re-placed.
-    assert gemma["replaces_replicas"] and gemma["placement"]["updates"]["DestructiveUpdate"] == 1
-    assert not models["gemma-3-270m-on-demand"]["replaces_replicas"]
+    # A new definition of the running model rolls out beside its replica (its own job, placed
+    # anew: nothing is re-placed); the on-demand copy runs none, so it is replaced in place.
+    assert gemma["surge_from"] == "llmgw-gemma-3-270m" and not gemma["replaces_replicas"], gemma
+    assert gemma["placement"]["updates"] == {"Place": 1}
+    on_demand = models["gemma-3-270m-on-demand"]
+    assert not on_demand["replaces_replicas"] and on_demand["surge_from"] == ""
     assert doc["summary"] == {
         "added": 1, "changed": 3, "removed": 1, "unchanged": 0, "conflict": 0, "fits_nowhere": 1
     }  # fmt: skip
@@ -352,3 +356,66 @@ def test_apply_in_a_terminal_with_nothing_to_do_asks_nothing(cluster: StandIn, d
     assert "[y/N]" not in out and "4 unchanged; nothing to do" in out
     assert "applied 4 models: 0 registered, 4 unchanged" in out
     assert nomad_indexes(cluster.url) == before
+
+
+ROLLOUT = """
+profiles:
+  h100s:
+    engine: llama-cpp-python
+    engine_version: 0.3.36
+    gpus: {gpus}
+    gpu_models: ["NVIDIA H100 80GB HBM3"]
+    cpu_mhz: 1000
+    memory_mib: 2048
+    node_pool: gpu
+models:
+  wide:
+    source: file:///models/{file}
+    profile: h100s
+    replicas: {{min: 1, max: 1}}
+"""
+
+
+def test_a_new_definition_of_a_running_model_is_planned_beside_it_or_said_to_wait_for_room(
+    cluster: StandIn, tmp_path: Path
+) -> None:
+    path = tmp_path / "models.yaml"
+    path.write_text(ROLLOUT.format(gpus=3, file="v1.gguf"))
+    assert run("apply", "--auto-approve", str(path)).exit_code == 0
+    first = Nomad(cluster.url).get_job("llmgw-wide")
+    assert first is not None and first["TaskGroups"][0]["Count"] == 1
+
+    # Four of the H100 node's seven healthy GPUs are free: the new definition's replica fits beside.
+    path.write_text(ROLLOUT.format(gpus=3, file="v2.gguf"))
+    code, doc = plan_json(path)
+    (wide,) = doc["models"]
+    assert code == 6 and wide["change"] == "changed" and wide["surge_from"] == "llmgw-wide", json.dumps(wide)
+    assert wide["placement"]["fits"] and not wide["replaces_replicas"], wide
+    text = run("plan", str(path)).stdout
+    assert (
+        "rolls out beside llmgw-wide: 1 replica of the new definition start while its replicas serve" in text
+    )
+    # apply leaves it to the watcher, which starts it beside the running replica.
+    applied = run("apply", "--auto-approve", str(path))
+    assert applied.exit_code == 0, applied.output
+    assert "1 rolled out by the watcher beside their running replicas (wide)" in applied.stdout
+    assert Nomad(cluster.url).get_job("llmgw-wide")["JobModifyIndex"] == first["JobModifyIndex"]
+    assert Nomad(cluster.url).get_job("llmgw-wide~b") is None
+
+    # Five GPUs beside the running three: no room for both. Said, with what happens instead.
+    path.write_text(ROLLOUT.format(gpus=5, file="v3.gguf"))
+    code, doc = plan_json(path)
+    (wide,) = doc["models"]
+    assert code == 7 and not wide["placement"]["fits"], wide
+    text = run("plan", str(path)).stdout
+    assert "CANNOT SURGE: no room for 1 replica of the new definition beside those of llmgw-wide: " in text
+    assert "the update waits for room while llmgw-wide serves; a profile's `update: replace`" in text
+    # With `update: replace`, it is planned over the running job, as before.
+    path.write_text(
+        ROLLOUT.format(gpus=5, file="v3.gguf").replace(
+            "node_pool: gpu", "node_pool: gpu\n    update: replace"
+        )
+    )
+    code, doc = plan_json(path)
+    (wide,) = doc["models"]
+    assert code == 6 and wide["surge_from"] == "" and wide["replaces_replicas"], wide

@@ -60,9 +60,19 @@ def test_apply_stores_the_definitions_and_registers_jobs_once(
     again = runner.invoke(app, ["apply", str(path)])
     assert again.exit_code == 0 and "1 unchanged" in again.output
 
-    # A router scaled it up; a new source re-registers it and keeps that count.
+    # A router scaled it up; a new source is the watcher's to roll out beside its replicas
+    # (docs/operations.md, "Updates and rollbacks"): apply leaves the running job alone.
     nomad.scale("llmgw-a", "engine", 2, "test: a router activated it")
     path.write_text(TEXT.replace("/tmp/a.gguf", "/tmp/a2.gguf"))
+    result = apply_file(path)
+    assert result.rolled_out == ["a"] and result.registered == []
+    assert "a.gguf" in nomad.get_job("llmgw-a")["Meta"]["llmgw_source"]
+    # With `update: replace`, apply re-registers it in place and keeps that count.
+    path.write_text(
+        TEXT.replace("/tmp/a.gguf", "/tmp/a2.gguf").replace(
+            "memory_mib: 512", "memory_mib: 512\n    update: replace"
+        )
+    )
     result = apply_file(path)
     assert result.registered == ["a"]
     job = nomad.get_job("llmgw-a")

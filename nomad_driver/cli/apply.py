@@ -24,6 +24,7 @@ from nomad_driver.nomad import Nomad
 from nomad_driver.spec import ModelSet, parse_models, read_models_text
 from nomad_driver.state import CONFIG_MODELS_KEY
 from nomad_driver.watcher.job_facts import job_conflict, job_is_current
+from nomad_driver.watcher.rollout import job_ids, rolls_out, running_job
 
 
 class ApplyConflict(Exception):
@@ -41,6 +42,9 @@ class ApplyResult:
     unchanged: list[str] = field(default_factory=list)
     # Multi-node models whose job the leading watcher registers: only it chooses their fabric.
     for_the_watcher: list[str] = field(default_factory=list)
+    # Models whose replicas run: the leading watcher rolls the new definition out beside them
+    # (watcher/rollout.py), so registering it here would replace them all at once.
+    rolled_out: list[str] = field(default_factory=list)
 
 
 async def store_definitions(consul: Consul, text: str) -> bool:
@@ -76,9 +80,14 @@ def register_jobs(
     jobs = current_jobs(nomad, models) if jobs is None else jobs
     fleet = Fleet(nomad)  # read only for a multi-node model, to pin it to a fabric
     for name, model in sorted(models.models.items()):
-        current = jobs.get(name)
+        first, second = job_ids(model)
+        both = {first: jobs.get(name), second: nomad.get_job(second) if model.profile.nodes <= 1 else None}
+        job_id, current = running_job(model, both)
         if current is not None and job_is_current(current, model):
             result.unchanged.append(name)
+            continue
+        if rolls_out(model, current):
+            result.rolled_out.append(name)
             continue
         if model.profile.nodes > 1:
             # Registered without a fabric, Nomad could put one replica's shards in two fabrics
@@ -89,7 +98,7 @@ def register_jobs(
             continue
         # Keeps the replicas it has (a router may have scaled it up, parking to 0); the
         # watcher decides the count, apply only changes what runs. `llmgw plan` plans this job.
-        job, _ = job_to_register(model, current, fleet)
+        job, _ = job_to_register(model, current, fleet, job_id=job_id)
         nomad.register_job(job)
         result.registered.append(name)
     return result

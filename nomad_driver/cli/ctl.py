@@ -46,6 +46,8 @@ STATE_STYLES = {
     "gave-up": "bold red",
     "degraded": "bold yellow",
     "conflict": "bold red",
+    "updating": "yellow",
+    "update-failed": "bold yellow",
 }
 
 ctl_app = typer.Typer(
@@ -102,7 +104,8 @@ def print_json(data: Any) -> None:
 
 
 def model_problem(model: dict[str, Any]) -> str | None:
-    """parked, refused (Nomad refuses llmgw's calls for it), unplaceable, gave-up (Nomad will not
+    """update-failed (a new definition parked while the previous one serves), parked, refused
+    (Nomad refuses llmgw's calls for it), unplaceable, gave-up (Nomad will not
     replace a failed allocation; llmgw asked it again), degraded (a slot keeps failing beside
     serving replicas) or short when a model is not serving what it should have now.
 
@@ -111,6 +114,10 @@ def model_problem(model: dict[str, Any]) -> str | None:
     """
     if model.get("job_conflict") or model.get("state") == "conflict":
         return "conflict"
+    if model.get("state") == "update-failed" or (
+        model.get("parked") is True and model.get("previous_job_id")
+    ):
+        return "update-failed"  # the previous definition serves; the new one is parked
     if model.get("parked") is True or model.get("state") == "parked":
         return "parked"
     if model.get("last_action_error") or model.get("state") == "refused":

@@ -40,6 +40,7 @@ from nomad_driver.watcher.job_facts import (
     job_scaling_max,
 )
 from nomad_driver.watcher.multinode import pin_to_fabric, set_replica_count
+from nomad_driver.watcher.rollout import job_ids, other_job_id, rolls_out, running_job
 
 # Exit codes, for CI to gate on (documented in README and docs/operating.md).
 EXIT_NOTHING_TO_DO = 0
@@ -70,6 +71,8 @@ class ModelPlan:
     on_demand: bool = False  # min 0: planned at 1 replica, as its first request would ask
     placement: Placement | None = None
     notes: list[str] = field(default_factory=list)
+    # A rollout: the job whose running replicas the new definition starts beside (rollout.py).
+    surge_from: str = ""
 
 
 @dataclass
@@ -204,14 +207,14 @@ class Fleet:
 
 
 def job_to_register(
-    model: Model, current: Mapping[str, Any] | None, fleet: Fleet
+    model: Model, current: Mapping[str, Any] | None, fleet: Fleet, *, job_id: str | None = None
 ) -> tuple[dict[str, Any], str | None]:
     """The job `apply` registers: the rendered definition, keeping the replicas a running job
     has (a router may have scaled it up, parking scaled it to 0), within the new maximum; a
     multi-node replica whole (its leader and every shard, or nothing) and pinned to a fabric
     as the watcher pins it. Returns the job and that fabric (None for a single-node model, or
     when no fabric has room: then it goes unpinned, as the watcher registers it)."""
-    job = render_job(model)
+    job = render_job(model, job_id=job_id)
     if current is not None:
         _, count = job_group(current)
         set_replica_count(job, min(count, model.replicas_max))
@@ -327,12 +330,12 @@ def nomad_plan(nomad: Nomad, job: dict[str, Any]) -> dict[str, Any]:
 
 
 def plan_placement(
-    nomad: Nomad, fleet: Fleet, model: Model, job: Mapping[str, Any] | None
+    nomad: Nomad, fleet: Fleet, model: Model, job: Mapping[str, Any] | None, *, job_id: str | None = None
 ) -> tuple[Placement, bool]:
     """Nomad's plan of the job `apply` would register, at the replicas it will run; for a
     multi-node model, pinned to the fabric the watcher would choose. Returns the placement and
     whether the model is planned on demand."""
-    target, fabric = job_to_register(model, job, fleet)
+    target, fabric = job_to_register(model, job, fleet, job_id=job_id)
     count, on_demand = planned_count(model, target)
     set_replica_count(target, count)
     placement = read_plan(nomad_plan(nomad, target), target, count)
@@ -363,8 +366,14 @@ def plan_models(models: ModelSet, *, consul: Consul | None = None, nomad: Nomad 
     out: list[ModelPlan] = []
     problems: list[str] = []
     for name, model in sorted(models.models.items()):
-        job = nomad.get_job(model.job_id)
+        first, second = job_ids(model)
+        both = {
+            first: nomad.get_job(first),
+            second: nomad.get_job(second) if model.profile.nodes <= 1 else None,
+        }
+        job_id, job = running_job(model, both)
         mp = classify(model, stored.models.get(name) if stored else None, job)
+        mp.job_id = job_id
         if mp.change == "conflict":
             problems.extend(mp.notes)
         if note:
@@ -372,7 +381,14 @@ def plan_models(models: ModelSet, *, consul: Consul | None = None, nomad: Nomad 
         out.append(mp)
         if mp.change in ("unchanged", "conflict"):
             continue
-        mp.placement, mp.on_demand = plan_placement(nomad, fleet, model, job)
+        if rolls_out(model, job):
+            # Planned as the watcher does it: the new definition's own job beside the running one.
+            mp.surge_from = job_id
+            mp.placement, mp.on_demand = plan_placement(
+                nomad, fleet, model, job, job_id=other_job_id(model, job_id)
+            )
+        else:
+            mp.placement, mp.on_demand = plan_placement(nomad, fleet, model, job, job_id=job_id)
         mp.replaces_replicas = mp.placement.updates.get("DestructiveUpdate", 0) > 0
 
     defined = set(models.models)
@@ -428,6 +444,21 @@ def _placement_lines(m: ModelPlan, p: Placement) -> list[str]:
     return [f"    fits: {replicas}" + (f"; matching GPUs on {where}" if where else "")]
 
 
+def _surge_lines(m: ModelPlan, p: Placement) -> list[str]:
+    replicas = f"{p.count} replica{'s' if p.count != 1 else ''}"
+    if not p.fits:
+        return [
+            f"    CANNOT SURGE: no room for {replicas} of the new definition beside those of {m.surge_from}: "
+            f"{p.reason}",
+            f"    the update waits for room while {m.surge_from} serves; a profile's `update: replace` "
+            "replaces its replicas in place instead (all at once)",
+        ]
+    return [
+        f"    rolls out beside {m.surge_from}: {replicas} of the new definition start while its replicas "
+        "serve; they are drained and stopped once the new ones are ready"
+    ]
+
+
 def render_text(plan: FleetPlan, origin: str) -> str:
     lines = []
     for m in plan.models:
@@ -437,7 +468,7 @@ def render_text(plan: FleetPlan, origin: str) -> str:
             lines.append(f"    {f.field}: {_value(f.old)} -> {_value(f.new)}")
         p = m.placement
         if p is not None:
-            lines += _placement_lines(m, p)
+            lines += _surge_lines(m, p) if m.surge_from else _placement_lines(m, p)
             if m.replaces_replicas:
                 n = p.updates.get("DestructiveUpdate", 0)
                 lines.append(

@@ -279,9 +279,15 @@ def apply(
         if result.for_the_watcher
         else ""
     )
+    rolled = (
+        f", {len(result.rolled_out)} rolled out by the watcher beside their running replicas "
+        f"({', '.join(result.rolled_out)})"
+        if result.rolled_out
+        else ""
+    )
     typer.echo(
         f"applied {len(result.models.models)} models: {len(result.registered)} registered, "
-        f"{len(result.unchanged)} unchanged{pinned}"
+        f"{len(result.unchanged)} unchanged{pinned}{rolled}"
     )
 
 

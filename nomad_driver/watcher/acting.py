@@ -32,6 +32,7 @@ from nomad_driver.watcher.decisions import (
     Park,
     RegisterJob,
     Scale,
+    StopJob,
     WriteState,
 )
 from nomad_driver.watcher.engine_errors import EngineErrors
@@ -255,7 +256,10 @@ class Actor:
         """This watcher set the job to this count itself, and the pass's view of the job is
         older than that call: asking again would make a second scaling event for nothing."""
         known = self._scaled.get(action.job_id)
-        seen = as_int(view.job.get("JobModifyIndex")) if view.job is not None else 0
+        job = view.job
+        if view.previous is not None and action.job_id == view.previous.job_id:
+            job = view.previous.job  # a rollout's previous definition, drained
+        seen = as_int(job.get("JobModifyIndex")) if job is not None else 0
         return known is not None and known[0] == action.count and seen < known[1]
 
     def _still_held(self, model: Model, action: Scale, view: ModelView) -> bool:
@@ -282,9 +286,13 @@ class Actor:
                 with attempt:
                     await self._apply_once(model, action)
         except NomadError as exc:
-            kind = {RegisterJob: "register", Scale: "scale", Park: "park", ForceReschedule: "reschedule"}.get(
-                type(action), ""
-            )
+            kind = {
+                RegisterJob: "register",
+                Scale: "scale",
+                Park: "park",
+                ForceReschedule: "reschedule",
+                StopJob: "stop",
+            }.get(type(action), "")
             if isinstance(action, Scale) and exc.status == 400 and DEPLOYMENT_BLOCKS_SCALE in str(exc):
                 # Not a refusal of the model: held, said once, asked again once it ends.
                 if model.name not in self.held:
@@ -327,21 +335,27 @@ class Actor:
 
     async def _apply_once(self, model: Model, action: Action) -> None:
         if isinstance(action, RegisterJob):
-            job = render_job(model)
+            job = render_job(model, job_id=action.job_id or None)
             set_replica_count(job, action.count)
             if action.fabric:
                 # The fabric reconcile chose from the pass's nodes: every shard lands in it.
                 job.setdefault("Constraints", []).append(fabric_constraint(action.fabric))
-            self.leadership.check_lease(f"registering {model.job_id}")
+            self.leadership.check_lease(f"registering {job['ID']}")
             await asyncio.to_thread(
                 functools.partial(self.nomad.register_job, job, enforce_index=action.job_modify_index)
             )
             log.info(
                 "event=job_registered model=%s job=%s count=%d fabric=%s",
                 model.name,
-                model.job_id,
+                job["ID"],
                 action.count,
                 action.fabric or "-",
+            )
+        elif isinstance(action, StopJob):
+            self.leadership.check_lease(f"stopping {action.job_id}")
+            await asyncio.to_thread(self.nomad.stop_job, action.job_id)
+            log.info(
+                "event=job_stopped model=%s job=%s message=%r", model.name, action.job_id, action.message
             )
         elif isinstance(action, ForceReschedule):
             self.leadership.check_lease(f"rescheduling {action.job_id}")

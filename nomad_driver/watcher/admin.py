@@ -116,6 +116,12 @@ class WatcherCollector(Collector):
                 "a partial failure).",
                 labels=["model"],
             ),
+            "update_failed": GaugeMetricFamily(
+                "llmgw_model_update_failed",
+                "1 while a new definition of the model is parked after its start failures and the "
+                "previous definition keeps serving (not counted in llmgw_model_parked: it serves).",
+                labels=["model"],
+            ),
             "short": GaugeMetricFamily(
                 "llmgw_model_short",
                 "1 while Nomad cannot place the replicas the model's load asks for (its minimum serves).",
@@ -136,7 +142,9 @@ class WatcherCollector(Collector):
             gauges["desired"].add_metric([name], d.desired if d else 0)
             gauges["ready"].add_metric([name], d.ready if d else 0)
             gauges["failures"].add_metric([name], d.state.consecutive_failures if d else 0)
-            gauges["parked"].add_metric([name], 1 if d and d.state.parked else 0)
+            update_failed = d is not None and d.state.parked and bool(d.state.rollout_from)
+            gauges["parked"].add_metric([name], 1 if d and d.state.parked and not update_failed else 0)
+            gauges["update_failed"].add_metric([name], 1 if update_failed else 0)
             gauges["unplaceable"].add_metric([name], 1 if d and d.state.unplaceable else 0)
             gauges["refused"].add_metric([name], 1 if d and d.state.last_action_error else 0)
             gauges["short"].add_metric([name], 1 if d and d.state.short else 0)
@@ -200,10 +208,14 @@ def model_status(w: Watcher, name: str) -> dict[str, Any]:
     refused = d.state.last_action_error
     if d.state.job_conflict:
         word = "conflict"  # someone else's Nomad job holds the model's job ID
+    elif d.state.parked and d.state.rollout_from:
+        word = "update-failed"  # the new definition is parked; the previous one serves
     elif d.state.parked:
         word = "parked"
     elif refused is not None:
         word = "refused"
+    elif d.state.rollout_from:
+        word = "updating"  # a new definition starting beside the previous one, which serves
     elif d.state.unplaceable:
         word = "unplaceable"
     elif d.state.nomad_gave_up:
@@ -222,7 +234,9 @@ def model_status(w: Watcher, name: str) -> dict[str, Any]:
         "model": name,
         "state": word,
         "reason": "" if word in ("satisfied", "idle") else redact(d.health_output),
-        "job_id": m.job_id,
+        "job_id": (view.job_id if view is not None and view.job_id else m.job_id),
+        # A rollout's previous definition, still running beside the current one ("" if none).
+        "previous_job_id": d.state.rollout_from,
         "def_hash": m.def_hash,
         "source": redact(m.source),
         "profile": m.profile_name,

@@ -59,6 +59,21 @@ class ModelView:
     # A multi-node model's fabrics as the pass measured them, without its own allocations (the
     # nodes its replica holds are its room); None until the nodes are read, or for one node.
     fabric_rooms: tuple[FabricRoom, ...] | None = None
+    # The Nomad job that runs (or will run) the current definition: one of the model's two job
+    # IDs (rollout.py); "" means the model's own `llmgw-<model>`.
+    job_id: str = ""
+    # The other job, while it still runs an older definition beside this one.
+    previous: PreviousJob | None = None
+
+
+@dataclass(frozen=True)
+class PreviousJob:
+    """The job of the definition a rollout replaces: it serves until the new one is ready."""
+
+    job_id: str
+    job: Mapping[str, Any]
+    ready: int  # its engines passing their checks
+    live: int  # its allocations placed or running
 
 
 @dataclass(frozen=True)
@@ -69,6 +84,16 @@ class RegisterJob:
     # The JobModifyIndex of the job the decision saw (0: none): Nomad registers only over that
     # one, so a leader acting on an old view cannot undo a newer registration.
     job_modify_index: int = 0
+    job_id: str = ""  # "" : the model's own `llmgw-<model>`
+
+
+@dataclass(frozen=True)
+class StopJob:
+    """Stop the job of a definition that a rollout replaced, once its replicas are gone."""
+
+    model: str
+    job_id: str
+    message: str
 
 
 @dataclass(frozen=True)
@@ -129,11 +154,11 @@ class ForceReschedule:
     allocs: tuple[str, ...]
 
 
-Action = RegisterJob | Scale | Activate | Park | WriteState | ForceReschedule
+Action = RegisterJob | Scale | Activate | Park | WriteState | ForceReschedule | StopJob
 
 
 # The actions that call Nomad, whose refusals become the model's `last_action_error`.
-NomadAction = (RegisterJob, Scale, Activate, Park, ForceReschedule)
+NomadAction = (RegisterJob, Scale, Activate, Park, ForceReschedule, StopJob)
 
 
 @dataclass(frozen=True)

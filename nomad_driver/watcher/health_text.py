@@ -31,6 +31,13 @@ def _health(
 ) -> tuple[HealthStatus, str]:
     if state.job_conflict:
         return "critical", state.job_conflict
+    if state.parked and state.rollout_from:
+        # The update failed, not the model: the previous definition serves (rollout.py).
+        return "warning", (
+            f"update failed: {state.last_error or 'no error recorded'} "
+            f"({state.consecutive_failures} consecutive start failures); serving the previous "
+            f"definition ({state.rollout_from}); apply it again or a fixed one"
+        )
     if state.parked:
         return "critical", (
             f"parked after {state.consecutive_failures} consecutive start failures: "
@@ -44,6 +51,11 @@ def _health(
             f"{utc_text(refused.since)}: {refused.message}; "
             "fix the job or llmgw's Nomad token; cleared when Nomad next accepts"
         )
+    if state.unplaceable and state.rollout_from:
+        return "warning", (
+            f"update waiting for room: {state.placement_reason}; the previous definition "
+            f"({state.rollout_from}) serves meanwhile (a profile's `update: replace` replaces it in place)"
+        )
     if state.unplaceable:
         return "critical", f"unplaceable: {state.placement_reason}"
     if state.nomad_gave_up:
@@ -56,6 +68,11 @@ def _health(
         return (
             "warning",
             f"short: {ready} of {desired} replicas ready, Nomad cannot place more: {state.short_reason}",
+        )
+    if state.rollout_from and ready < desired:
+        return "passing", (
+            f"updating: {ready} of {desired} replicas of the new definition ready; the previous "
+            f"definition ({state.rollout_from}) serves until they are"
         )
     if desired > 0 and ready == 0 and starting == 0:
         return "critical", f"nothing ready: 0 of {desired} replicas"

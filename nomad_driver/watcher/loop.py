@@ -38,7 +38,7 @@ from nomad_driver.state import (
 )
 from nomad_driver.watcher.acting import Actor
 from nomad_driver.watcher.counting import retried
-from nomad_driver.watcher.decisions import Decision, ModelView, Park
+from nomad_driver.watcher.decisions import Decision, ModelView, Park, PreviousJob
 from nomad_driver.watcher.engine_errors import EngineErrors
 from nomad_driver.watcher.feeds import AllocationFeed, JobFeed
 from nomad_driver.watcher.fenced import FencedStates
@@ -60,6 +60,7 @@ from nomad_driver.watcher.replicas import (
     list_replicas,
     node_fabrics,
 )
+from nomad_driver.watcher.rollout import choose_jobs
 from nomad_driver.watcher.scaling import DEFAULT_STEP_INTERVAL_S, DEFAULT_UP_WINDOW_S, LoadHistory
 from nomad_driver.watcher.sightings import StartSightings
 from nomad_driver.watcher.watch import (
@@ -379,16 +380,30 @@ class Watcher:
         asked = asks(kv, now)
         views: dict[str, ModelView] = {}
         for name, model in self.models.items():
-            job = jobs.get(model.job_id)
+            job_id, previous_id = choose_jobs(model, jobs, passing_now.ready_by_job)
+            job = jobs.get(job_id)
+            previous = None
+            if previous_id is not None:
+                previous_allocs = allocs_by_job.get(previous_id, ())
+                previous = PreviousJob(
+                    previous_id,
+                    jobs[previous_id],
+                    passing_now.ready_by_job.get(previous_id, 0),
+                    sum(
+                        1
+                        for a in previous_allocs
+                        if a.get("DesiredStatus") == "run" and a.get("ClientStatus") in ("pending", "running")
+                    ),
+                )
             _, count = job_group(job)
-            seen = self._scaled_at.get(model.job_id)
+            seen = self._scaled_at.get(job_id)
             if seen is None or seen[0] != count:
                 # First sight after a start counts as "just scaled", which only delays a
                 # scale-down by one idle timeout; never the other way round.
-                self._scaled_at[model.job_id] = seen = (count, now)
-            stepped = self._stepped_at.get(model.job_id)
+                self._scaled_at[job_id] = seen = (count, now)
+            stepped = self._stepped_at.get(job_id)
             if stepped is None or stepped[0] != count:
-                self._stepped_at[model.job_id] = stepped = (count, -inf if stepped is None else now)
+                self._stepped_at[job_id] = stepped = (count, -inf if stepped is None else now)
             state, index, problem = self._state_for(name, kv)
             activity_entry = kv.get(f"{ACTIVITY_PREFIX}{name}")
             requests = in_flight.get(name, 0)
@@ -399,13 +414,14 @@ class Watcher:
             if seen_busy is not None:
                 activity = seen_busy if activity is None else max(activity, seen_busy)
             load = self.load.observe(name, now, requests, count, model.scale_down_delay_s)
-            model_allocs = allocs_by_job.get(model.job_id, ())
+            model_allocs = allocs_by_job.get(job_id, ())
             views[name] = ModelView(
                 model=model,
                 job=job,
                 allocs=tuple(model_allocs),
-                evals=tuple(evals_by_job.get(model.job_id, ())),
-                ready=ready.get(name, 0),
+                evals=tuple(evals_by_job.get(job_id, ())),
+                # The current definition's: a previous one's serving replicas are not its own.
+                ready=max(0, ready.get(name, 0) - (previous.ready if previous is not None else 0)),
                 healthy_starts=healthy,
                 state=state,
                 state_index=index,
@@ -425,6 +441,8 @@ class Watcher:
                 asked_at=asked.get(name),
                 activity_grace_s=grace,
                 fabric_rooms=self._fabric_rooms(model),
+                job_id=job_id,
+                previous=previous,
             )
         return views
 

@@ -49,6 +49,7 @@ from nomad_driver.watcher.parking import (
 from nomad_driver.watcher.partial import Degraded, failing_slots
 from nomad_driver.watcher.replica_starts import ReplicaStarts, replica_starts, stuck_start
 from nomad_driver.watcher.replica_steps import ReplicaStep, replica_step
+from nomad_driver.watcher.rollout import previous_steps
 from nomad_driver.watcher.scaling import (
     STARTING_HOLD_S,
     Desired,
@@ -71,6 +72,8 @@ def reconcile(view: ModelView, max_start_failures: int = DEFAULT_MAX_START_FAILU
     all_allocs = view.allocs
     view = replica_view(view)
     m = view.model
+    jid = view.job_id or m.job_id
+    second_id = "" if jid == m.job_id else jid  # RegisterJob names only the second job ID
     stored = view.state or ModelState()
     state = stored
     actions: list[Action] = []
@@ -120,14 +123,22 @@ def reconcile(view: ModelView, max_start_failures: int = DEFAULT_MAX_START_FAILU
         )
         if step.register_fabric:
             actions.append(
-                RegisterJob(m.name, step.register_count, step.register_fabric, job_modify_index(view.job))
+                RegisterJob(
+                    m.name,
+                    step.register_count,
+                    step.register_fabric,
+                    job_modify_index(view.job),
+                    job_id=second_id,
+                )
             )
         elif step.scale_to is not None and not park_now:
-            actions.append(Scale(m.name, m.job_id, group, step.scale_to, step.scale_message))
+            actions.append(Scale(m.name, jid, group, step.scale_to, step.scale_message))
     elif not current:
-        actions.append(RegisterJob(m.name, desired, job_modify_index=job_modify_index(view.job)))
+        actions.append(
+            RegisterJob(m.name, desired, job_modify_index=job_modify_index(view.job), job_id=second_id)
+        )
     elif count != desired and not park_now and view.job is not None and not view.job.get("Stop"):
-        actions.append(Scale(m.name, m.job_id, group, desired, why, wanted.reason))
+        actions.append(Scale(m.name, jid, group, desired, why, wanted.reason))
 
     ask = _unanswered_ask(view, state)
     if ask is not None and current and not park_now and view.job is not None and not view.job.get("Stop"):
@@ -136,7 +147,7 @@ def reconcile(view: ModelView, max_start_failures: int = DEFAULT_MAX_START_FAILU
         target = min(max(desired, 1), m.replicas_max)
         message = f"llmgw: a request for {m.name} found no ready replica; asking for {target}"
         actions = [a for a in actions if not isinstance(a, Scale)]
-        actions.append(Activate(m.name, m.job_id, group, target, ask, message))
+        actions.append(Activate(m.name, jid, group, target, ask, message))
 
     # Placement: only while something is meant to run and the job is the current definition.
     failure = None
@@ -191,7 +202,11 @@ def reconcile(view: ModelView, max_start_failures: int = DEFAULT_MAX_START_FAILU
         }
     )
     if forced:
-        actions.append(ForceReschedule(m.name, m.job_id, forced))
+        actions.append(ForceReschedule(m.name, jid, forced))
+    previous = view.previous
+    state = state.model_copy(update={"rollout_from": previous.job_id if previous is not None else ""})
+    if previous is not None:
+        actions.extend(previous_steps(m, previous, state, view.ready, desired))
 
     if park_now and view.job is not None:
         # Park writes the state itself, after reading the engine's stderr for the real error.
@@ -201,7 +216,7 @@ def reconcile(view: ModelView, max_start_failures: int = DEFAULT_MAX_START_FAILU
             0,
             Park(
                 m.name,
-                m.job_id,
+                jid,
                 group,
                 failures.consecutive,
                 shard.alloc_id if shard else last.alloc_id if last else "",

@@ -11,6 +11,7 @@ from typing import Any
 from nomad_driver.node_meta import FABRIC_KEY
 from nomad_driver.watcher.decisions import ModelView
 from nomad_driver.watcher.replica_starts import is_shard
+from nomad_driver.watcher.rollout import job_ids
 from nomad_driver.watcher.scaling import busy_floor
 
 _ALLOC_ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
@@ -145,7 +146,8 @@ def list_replicas(
     fabrics = fabrics or {}
     allocs = list(allocs)
     shards_of = replica_shards(allocs, fabrics)
-    by_job = {v.model.job_id: name for name, v in views.items()}
+    # Both of a model's job IDs: a rollout runs the new definition beside the previous one.
+    by_job = {jid: name for name, v in views.items() for jid in job_ids(v.model)}
     passing_by_alloc: dict[str, Mapping[str, Any]] = {}
     for entry in engines:
         alloc_id = entry_alloc_id(entry)

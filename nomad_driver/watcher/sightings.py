@@ -22,7 +22,7 @@ check for the start Nomad shows, as it always has.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from nomad_driver.fields import as_int
@@ -34,6 +34,8 @@ from nomad_driver.watcher.replicas import entry_alloc_id, entry_model, passing
 class Passing:
     ready: dict[str, int]  # engines passing their check, per model
     healthy: frozenset[parking.StartId]  # the starts those checks vouch for
+    # Of them, those whose allocation Nomad lists, per job (a rollout runs two per model).
+    ready_by_job: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -61,6 +63,7 @@ class StartSightings:
     ) -> Passing:
         """The engines passing in Consul's answer, and the starts they vouch for in Nomad's."""
         ready: dict[str, int] = {}
+        ready_by_job: dict[str, int] = {}
         healthy: set[parking.StartId] = set()
         for entry in entries:
             ok = passing(entry)
@@ -71,6 +74,9 @@ class StartSightings:
             alloc = allocs_by_id.get(alloc_id) if alloc_id else None
             if alloc_id is None or alloc is None:
                 continue
+            if ok:
+                job_id = str(alloc.get("JobID") or "")
+                ready_by_job[job_id] = ready_by_job.get(job_id, 0) + 1
             start = parking.current_start(alloc)
             known = self._episodes.get(alloc_id)
             if known is None:
@@ -86,4 +92,4 @@ class StartSightings:
         # Allocations Nomad no longer lists are done with.
         for gone in set(self._episodes) - set(allocs_by_id):
             del self._episodes[gone]
-        return Passing(ready, frozenset(healthy))
+        return Passing(ready, frozenset(healthy), ready_by_job)
