@@ -144,6 +144,7 @@ class Actor:
                 raise LeaseLost("leadership lost during the pass")
             if isinstance(action, Activate):
                 attempt, outcome = await self._activate(model, action, view)
+                attempt = attempt.model_copy(update={"answered": dict(action.answered)})
                 asked_nomad = True
                 if isinstance(outcome, ActionError):
                     condition = condition if outcome.same_refusal(condition) else outcome
