@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,6 +76,11 @@ class Ask:
     asker: str
     seq: int
     at: float
+
+
+def ask_numbers(asks: Iterable[Ask]) -> dict[str, int]:
+    """What an attempt made for these asks answers (`Attempt.answered`): each numbered ask."""
+    return {ask.asker: ask.seq for ask in asks if ask.seq > 0}
 
 
 class Attempt(BaseModel):

@@ -15,7 +15,7 @@ import pytest
 
 import router.activity
 from nomad_driver.consul import KVEntry
-from nomad_driver.state import Ask, Attempt, ModelState, inflight_key, parse_inflight
+from nomad_driver.state import Ask, Attempt, ModelState, ask_numbers, inflight_key, parse_inflight
 from nomad_driver.watcher.decisions import Activate
 from nomad_driver.watcher.in_flight import asks
 from nomad_driver.watcher.reconcile import reconcile
@@ -72,7 +72,8 @@ def watcher_answers(
     if not activations:
         return None
     (activate,) = activations
-    return Attempt(asked=activate.asked, at=NOW, eval="e", result="placed", answered=dict(activate.answered))
+    # As the leader records it (`acting.Actor.apply_decision`).
+    return Attempt(asked=activate.asked, at=NOW, eval="e", result="placed", answered=ask_numbers(asked))
 
 
 def test_two_routers_whose_clocks_disagree_each_get_the_attempt_that_answers_their_own_ask(
@@ -160,8 +161,8 @@ def test_a_router_that_numbers_nothing_is_answered_by_time_beside_numbered_ones(
     assert found == [Ask(new.asker, 1, NOW), Ask("old", 0, NOW + 2)]
     d = reconcile(view(LAZY, job=job(LAZY, 1), in_flight=2, asks=tuple(found)))
     (activate,) = [a for a in d.actions if isinstance(a, Activate)]
-    assert (activate.asked, dict(activate.answered)) == (NOW + 2, {new.asker: 1})
-    attempt = Attempt(asked=activate.asked, answered=dict(activate.answered), result="placed")
+    assert (activate.asked, ask_numbers(found)) == (NOW + 2, {new.asker: 1})
+    attempt = Attempt(asked=activate.asked, answered=ask_numbers(found), result="placed")
     assert all(attempt.answers(a) for a in found)
     # The older router's later ask is unanswered by time.
     assert not attempt.answers(Ask("old", 0, NOW + 3))

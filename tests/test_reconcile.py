@@ -372,7 +372,7 @@ def test_a_job_that_still_makes_deployments_is_registered_again_even_when_parkin
 def test_a_routers_ask_is_answered_by_one_activation_through_the_same_rule() -> None:
     d = reconcile(view(LAZY, job=job(LAZY, 0), in_flight=1, asks=(Ask("r/1", 3, NOW - 1),)))
     (activate,) = [a for a in d.actions if isinstance(a, Activate)]
-    assert (activate.count, activate.asked, dict(activate.answered)) == (1, NOW - 1, {"r/1": 3})
+    assert (activate.count, activate.asked) == (1, NOW - 1)
     assert "no ready replica" in activate.message
     # One call: the activation replaces the plain scale the same pass would have made.
     assert not any(isinstance(a, Scale) for a in d.actions)

@@ -92,8 +92,6 @@ class Activate:
     count: int
     asked: float
     message: str
-    # The asks the attempt answers (asker -> number), recorded with it for the routers.
-    answered: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

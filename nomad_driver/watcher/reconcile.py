@@ -136,7 +136,7 @@ def reconcile(view: ModelView, max_start_failures: int = DEFAULT_MAX_START_FAILU
         target = min(max(desired, 1), m.replicas_max)
         message = f"llmgw: a request for {m.name} found no ready replica; asking for {target}"
         actions = [a for a in actions if not isinstance(a, Scale)]
-        actions.append(Activate(m.name, m.job_id, group, target, ask[0], message, ask[1]))
+        actions.append(Activate(m.name, m.job_id, group, target, ask, message))
 
     # Placement: only while something is meant to run and the job is the current definition.
     failure = None
@@ -272,17 +272,16 @@ def _scale_message(m: Model, state: ModelState, count: int, desired: int, wanted
     return f"llmgw: {m.name} should have {desired} replicas ({wanted.detail})"
 
 
-def _unanswered_ask(view: ModelView, state: ModelState) -> tuple[float, dict[str, int]] | None:
-    """While some router's latest ask is not answered by the latest attempt (by the rule the
-    router itself waits by), the latest ask's time and every numbered ask, for the attempt to
-    record as answered (parked models are answered by their state: routers refuse them as
-    parked)."""
+def _unanswered_ask(view: ModelView, state: ModelState) -> float | None:
+    """The routers' latest ask time while the latest attempt does not answer every router's
+    ask, by the rule the router itself waits by (parked models are answered by their state:
+    routers refuse them as parked)."""
     if not view.asks or state.parked:
         return None
     attempt = state.attempt
     if attempt is not None and all(attempt.answers(ask) for ask in view.asks):
         return None
-    return max(ask.at for ask in view.asks), {ask.asker: ask.seq for ask in view.asks if ask.seq > 0}
+    return max(ask.at for ask in view.asks)
 
 
 def _latest_failure(view: ModelView) -> PlacementFailure | None:
