@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,11 +67,27 @@ class ActionError(BaseModel):
         )
 
 
+@dataclass(frozen=True)
+class Ask:
+    """One router's latest ask for a model (a request that found no ready replica): `asker` is
+    the router process, `seq` its number for this model within that process, `at` its time by
+    that router's clock. `seq` 0 is a router from before asks were numbered."""
+
+    asker: str
+    seq: int
+    at: float
+
+
+def ask_numbers(asks: Iterable[Ask]) -> dict[str, int]:
+    """What an attempt made for these asks answers (`Attempt.answered`): each numbered ask."""
+    return {ask.asker: ask.seq for ask in asks if ask.seq > 0}
+
+
 class Attempt(BaseModel):
-    """The leading watcher's answer to a router's ask (activation of a model with no ready
-    replica): `asked` is the ask it answers (the router's Unix time), `at` when it asked Nomad,
-    `eval` the evaluation, `result` `placed` or `unplaceable` with Nomad's reason. A router
-    waits for the attempt whose `asked` is at least its own ask."""
+    """The leading watcher's answer to the routers' asks (activation of a model with no ready
+    replica): `answered` the asks it answers (asker -> number), `asked` the latest ask's time,
+    `at` when it asked Nomad, `eval` the evaluation, `result` `placed` or `unplaceable` with
+    Nomad's reason. A router waits for the attempt that answers its own ask (`answers`)."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -79,6 +96,19 @@ class Attempt(BaseModel):
     eval: str = ""
     result: str = ""  # placed | unplaceable
     reason: str = ""
+    # Each live router's latest ask number for the model when the leader acted. None: written
+    # by a watcher from before asks were numbered, which only knew `asked`.
+    answered: dict[str, int] | None = None
+
+    def answers(self, ask: Ask) -> bool:
+        """Whether this attempt answers `ask` (or a later ask of the same router). By number
+        where both sides number asks: times from different routers' clocks do not order, and a
+        router whose clock ran behind took an answer given before its request as its own (a
+        stale "unplaceable"), or the watcher took its ask as answered and it waited for nothing.
+        By time with an older router or watcher, which is right only while the clocks agree."""
+        if self.answered is None or ask.seq <= 0:
+            return self.asked >= ask.at
+        return self.answered.get(ask.asker, 0) >= ask.seq
 
     @field_validator("reason")
     @classmethod
@@ -237,6 +267,9 @@ MAX_REQUESTS = 1_000_000
 # ahead of the reader's clock.
 INFLIGHT_STALE_INTERVALS = 3
 INFLIGHT_FUTURE_SLACK_S = 60.0
+# Ask numbers stay exact in every JSON reader; a router asks far fewer times than this.
+MAX_ASK_SEQ = 2**53
+MAX_ASKER_LEN = 256
 
 
 @dataclass(frozen=True)
@@ -252,6 +285,10 @@ class RouterInFlight:
     # The router's latest ask per model (Unix time): a request that found no ready replica and
     # waits for the leader to answer it (`ModelState.attempt`).
     asked: dict[str, float] = field(default_factory=dict)
+    # That ask's number per model, and the router process that numbers them ("" and none: a
+    # router from before asks were numbered).
+    ask_seq: dict[str, int] = field(default_factory=dict)
+    asker: str = ""
 
     def live(self, now: float) -> bool:
         """Refreshed recently: a router that stopped refreshing (a crash) holds nothing. A
@@ -289,6 +326,7 @@ def parse_inflight(raw: bytes | str | None) -> RouterInFlight | None:
     requests: dict[str, int] = {}
     replicas: dict[str, frozenset[str]] = {}
     asked: dict[str, float] = {}
+    ask_seq: dict[str, int] = {}
     for model, use in data["models"].items():
         if not isinstance(use, dict):
             continue
@@ -303,4 +341,10 @@ def parse_inflight(raw: bytes | str | None) -> RouterInFlight | None:
         ask = use.get("asked")
         if isinstance(ask, int | float) and not isinstance(ask, bool) and math.isfinite(ask) and ask > 0:
             asked[str(model)] = float(ask)
-    return RouterInFlight(float(at), float(interval), requests, replicas, asked)
+        seq = use.get("ask_seq")
+        if isinstance(seq, int) and not isinstance(seq, bool) and 0 < seq <= MAX_ASK_SEQ:
+            ask_seq[str(model)] = seq
+    asker = data.get("asker")
+    if not isinstance(asker, str) or not 0 < len(asker) <= MAX_ASKER_LEN:
+        asker, ask_seq = "", {}
+    return RouterInFlight(float(at), float(interval), requests, replicas, asked, ask_seq, asker)

@@ -5,12 +5,13 @@ for a model with no ready replica ignores the previous placement result and make
 attempt, then waits for *that attempt's* evaluation, not for the whole activation window.
 
 The router never calls Nomad: the leading watcher is the one writer of every job's count. A
-request *asks*: its router publishes the ask (a timestamp, always later than any attempt the
-router has seen; see `ActivityRecorder.ask`) in its `llmgw/inflight/<router>` key
-at once, the leader sees it on its blocking query, applies the same rule as for load (0 -> 1,
-or the count the load wants), makes the scale call, reads the evaluation and records the
-attempt in `llmgw/state/<model>` (`attempt: {asked, at, eval, result, reason}`). A request
-waits for the attempt whose `asked` is at least its own:
+request *asks*: its router publishes the ask (numbered per model by this router process, with
+its time; see `ActivityRecorder.ask`) in its `llmgw/inflight/<router>` key at once, the leader
+sees it on its blocking query, applies the same rule as for load (0 -> 1, or the count the load
+wants), makes the scale call, reads the evaluation and records the attempt in
+`llmgw/state/<model>` (`attempt: {answered, asked, at, eval, result, reason}`), `answered`
+naming each router's ask number it answers. A request waits for the attempt that answers its
+router's ask (`Attempt.answers`: by number; by time against a watcher that numbers nothing):
 
 - `unplaceable`: answered at once with Nomad's reason, and told not to retry;
 - `placed`: waits for a ready replica up to the model's activation window, then gets 503
@@ -43,7 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from nomad_driver.spec import Model
-from nomad_driver.state import ModelState
+from nomad_driver.state import Ask, ModelState
 from router import errors
 from router.config import Timeouts
 from router.discovery import Discovery, Snapshot
@@ -78,7 +79,7 @@ class Room:
 class Activator:
     def __init__(
         self,
-        ask: Callable[[str, float], float],
+        ask: Callable[[str, float], Ask],
         served: Callable[[str], None],
         discovery: Discovery,
         metrics: RouterMetrics,
@@ -86,9 +87,9 @@ class Activator:
         retry_after_s: int,
         max_waiting: int = 128,
     ) -> None:
-        # `ask(model, after)` publishes an ask later than `after` (the latest attempt seen) and
-        # returns it; `served(model)` notes the model in use once placed (its activity, written
-        # at once).
+        # `ask(model, after)` publishes an ask (its time later than `after`, the latest attempt
+        # seen) and returns it; `served(model)` notes the model in use once placed (its
+        # activity, written at once).
         self.ask = ask
         self.served = served
         self.discovery = discovery
@@ -244,7 +245,7 @@ class Activator:
         """Ask the leading watcher and wait for its attempt for this ask (or a later one)."""
         state = self.discovery.snapshot.states.get(model.name)
         seen = state.attempt.asked if state is not None and state.attempt is not None else 0.0
-        asked = self.ask(model.name, seen)
+        ask = self.ask(model.name, seen)
         window = self.timeouts.evaluation_s
         deadline = time.monotonic() + window
         while True:
@@ -256,7 +257,7 @@ class Activator:
                 # answers for a model it no longer has or will not place.
                 return AttemptResult(placed=True, finished=time.monotonic(), asked=False)
             attempt = state.attempt if state is not None else None
-            if attempt is not None and attempt.asked >= asked:
+            if attempt is not None and attempt.answers(ask):
                 now = time.monotonic()
                 if attempt.result == "unplaceable":
                     return AttemptResult(

@@ -7,13 +7,13 @@ never shows in a request's latency:
 - `llmgw/activity/<model>`: when the model was last asked for, as Unix time. Noted when a
   request starts and again when it ends: the idle clock starts when the last request ends.
 - `llmgw/inflight/<router>`: this router's requests in flight, per model, with the replicas
-  they are on and its latest ask (`{"router", "at", "interval_s", "models": {model:
-  {"requests", "replicas", "asked"}}}`). Rewritten every interval while any request is open,
-  and once more when the last one ends; at once for an ask (a request with no ready replica,
-  which the leading watcher answers), for the first request on a model with none open here
-  (so the watcher never takes a replica that just got a request for idle), and soon after a
-  model's requests double (a burst the watcher's load rule answers at once);
-  a router that stops refreshing it (a crash) is ignored once `at` is three intervals old.
+  they are on and its latest ask (`{"router", "asker", "at", "interval_s", "models": {model:
+  {"requests", "replicas", "asked", "ask_seq"}}}`). Rewritten every interval while any request
+  is open, and once more when the last one ends; at once for an ask (a request with no ready
+  replica, which the leading watcher answers), for the first request on a model with none open
+  here (so the watcher never takes a replica that just got a request for idle), and soon after
+  a model's requests double (a burst the watcher's load rule answers at once); a router that
+  stops refreshing it (a crash) is ignored once `at` is three intervals old.
   One key per router, not per request or per model, so it costs the same however busy the
   router is; the watcher sums it over routers (see docs/design.md).
 """
@@ -31,7 +31,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from nomad_driver.state import activity_key, inflight_key
+from nomad_driver.state import Ask, activity_key, inflight_key
 from router.discovery import ConsulUnavailable
 
 log = logging.getLogger("llmgw.router.activity")
@@ -66,25 +66,32 @@ class ActivityRecorder:
         self._published_busy = False
         self._task: asyncio.Task[None] | None = None
         # The latest ask per model, published while the model has requests open.
-        self._asks: dict[str, float] = {}
+        self._asks: dict[str, Ask] = {}
+        # Asks are numbered per model for the life of this process, never reset: the leader
+        # records the numbers it answers. The key is per Nomad allocation, which a restarted
+        # router keeps, so the numbers belong to the process, not to the key.
+        self.asker = f"{self.router_id}/{uuid.uuid4().hex[:8]}"
+        self._ask_seq: dict[str, int] = {}
         # Requests per model as last published: twice that is a burst worth writing at once.
         self._published: dict[str, int] = {}
         self._wake = asyncio.Event()
 
-    def ask(self, model: str, after: float = 0.0) -> float:
+    def ask(self, model: str, after: float = 0.0) -> Ask:
         """A request found no ready replica: publish an ask at once and return it; the leader's
-        attempt for it will carry it (`ModelState.attempt.asked`). Called while that request
-        counts as in flight (`begin(model, WAITING)`), so the ask goes out with it.
+        attempt answers it by its number (`Attempt.answers`). Called while that request counts
+        as in flight (`begin(model, WAITING)`), so the ask goes out with it.
 
-        An ask is this router's clock, but never at or below `after`, the latest attempt this
-        router has seen: asks are compared across routers, and a router whose clock runs behind
-        another's would otherwise take an attempt made before its request, for another
-        router's ask, as the answer to its own (a stale "unplaceable", or no scale-up at all).
-        Like a Lamport clock, each ask follows every answer this router has seen."""
+        Its time matters only to a watcher from before asks were numbered, which compares times
+        across routers: never at or below `after`, the latest attempt this router has seen, so
+        that a clock behind another router's does not take an attempt made before this request
+        as its answer (as a Lamport clock, short of asks made before that attempt was seen)."""
         at = max(round(time.time(), 3), round(after + ASK_STEP_S, 3))
-        self._asks[model] = max(at, self._asks.get(model, 0.0))
+        seq = self._ask_seq[model] = self._ask_seq.get(model, 0) + 1
+        previous = self._asks.get(model)
+        ask = Ask(self.asker, seq, max(at, previous.at if previous is not None else 0.0))
+        self._asks[model] = ask
         self._wake.set()
-        return self._asks[model]
+        return ask
 
     def served(self, model: str) -> None:
         """The leader placed a replica for this router's ask: the model is in use from now, and
@@ -135,11 +142,14 @@ class ActivityRecorder:
                 "requests": sum(replicas.values()),
                 "replicas": sorted(r for r in replicas if r),
             }
-            if model in self._asks:
-                use["asked"] = self._asks[model]
+            ask = self._asks.get(model)
+            if ask is not None:
+                use["asked"] = ask.at
+                use["ask_seq"] = ask.seq
             models[model] = use
         return {
             "router": self.router_id,
+            "asker": self.asker,
             "at": round(time.time(), 3),
             "interval_s": self.interval_s,
             "models": models,

@@ -6,7 +6,7 @@ import dataclasses
 from typing import Any
 
 from nomad_driver.spec import parse_models
-from nomad_driver.state import Attempt, ModelState
+from nomad_driver.state import Ask, Attempt, ModelState
 from nomad_driver.watcher.counting import retried
 from nomad_driver.watcher.decisions import Activate, ModelView, Park, RegisterJob, Scale, WriteState
 from nomad_driver.watcher.reconcile import reconcile
@@ -370,24 +370,27 @@ def test_a_job_that_still_makes_deployments_is_registered_again_even_when_parkin
 
 
 def test_a_routers_ask_is_answered_by_one_activation_through_the_same_rule() -> None:
-    d = reconcile(view(LAZY, job=job(LAZY, 0), in_flight=1, asked_at=NOW - 1))
+    d = reconcile(view(LAZY, job=job(LAZY, 0), in_flight=1, asks=(Ask("r/1", 3, NOW - 1),)))
     (activate,) = [a for a in d.actions if isinstance(a, Activate)]
     assert (activate.count, activate.asked) == (1, NOW - 1)
     assert "no ready replica" in activate.message
     # One call: the activation replaces the plain scale the same pass would have made.
     assert not any(isinstance(a, Scale) for a in d.actions)
     # Already at its count, the ask still makes Nomad evaluate afresh.
-    again = reconcile(view(LAZY, job=job(LAZY, 1), in_flight=1, asked_at=NOW - 1))
+    again = reconcile(view(LAZY, job=job(LAZY, 1), in_flight=1, asks=(Ask("r/1", 3, NOW - 1),)))
     assert [a.count for a in again.actions if isinstance(a, Activate)] == [1]
 
 
 def test_an_answered_ask_is_not_asked_again_and_a_parked_model_is_never_activated() -> None:
-    answered = ModelState(attempt=Attempt(asked=NOW - 1, at=NOW - 0.5, eval="e1", result="placed"))
-    d = reconcile(view(LAZY, job=job(LAZY, 1), in_flight=1, asked_at=NOW - 1, state=answered))
+    attempt = Attempt(asked=NOW - 1, at=NOW - 0.5, eval="e1", result="placed", answered={"r/1": 3})
+    answered = ModelState(attempt=attempt)
+    d = reconcile(view(LAZY, job=job(LAZY, 1), in_flight=1, asks=(Ask("r/1", 3, NOW - 1),), state=answered))
     assert not any(isinstance(a, Activate) for a in d.actions)
-    later = reconcile(view(LAZY, job=job(LAZY, 1), in_flight=1, asked_at=NOW, state=answered))
+    later = reconcile(
+        view(LAZY, job=job(LAZY, 1), in_flight=1, asks=(Ask("r/1", 4, NOW - 1),), state=answered)
+    )
     assert any(isinstance(a, Activate) for a in later.actions)
-    parked = reconcile(view(job=job(KEV, 0), in_flight=1, asked_at=NOW, state=parked_state()))
+    parked = reconcile(view(job=job(KEV, 0), in_flight=1, asks=(Ask("r/1", 4, NOW),), state=parked_state()))
     assert not any(isinstance(a, Activate | Scale) for a in parked.actions) and parked.desired == 0
 
 

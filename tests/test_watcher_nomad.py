@@ -4,6 +4,7 @@ unplaceable models, end to end through Nomad's HTTP API."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -15,7 +16,7 @@ import pytest
 from nomad_driver.consul import Consul
 from nomad_driver.nomad import Nomad
 from nomad_driver.spec import parse_models
-from nomad_driver.state import CONFIG_MODELS_KEY, ModelState
+from nomad_driver.state import CONFIG_MODELS_KEY, ModelState, inflight_key
 from nomad_driver.watcher.loop import Watcher
 from tests.watcher_support import (
     engines_dir,
@@ -193,6 +194,45 @@ async def test_a_model_too_big_for_any_node_is_unplaceable_until_a_node_fits(
         return s if s is not None and not s.unplaceable else None
 
     await until(cleared, 30, "unplaceable cleared")
+
+
+async def test_two_routers_whose_clocks_disagree_both_have_their_asks_answered(
+    world_factory: Callable[..., Awaitable[World]],
+) -> None:
+    """Router "ahead" runs 30 s ahead, router "behind" 10 s behind. The watcher answers the
+    first's ask; the second asks later, at a time by its clock well below that attempt's. By
+    time its ask looked answered and it waited for nothing; by number it gets its own
+    attempt, which answers both."""
+    text = models_text(od=("file:///tmp/od.gguf", "cpu", 0))
+    model = parse_models(text).models["od"]
+    world = await world_factory(text)
+    world.nomad.register_job(mock_job(model, 0, run_for="2h"))
+    await world.watcher.start()
+
+    async def ask(router: str, skew: float) -> None:
+        at = round(time.time() + skew, 3)
+        record = {
+            "router": router,
+            "asker": f"{router}/1a2b3c4d",
+            "at": at,
+            "interval_s": 10,
+            "models": {"od": {"requests": 1, "replicas": [], "asked": at, "ask_seq": 1}},
+        }
+        await world.consul.kv_put(inflight_key(router), json.dumps(record))
+
+    async def answered(*askers: str) -> ModelState | None:
+        state = await world.state("od")
+        attempt = state.attempt if state is not None else None
+        numbers = (attempt.answered or {}) if attempt is not None else {}
+        return state if all(numbers.get(f"{a}/1a2b3c4d") == 1 for a in askers) else None
+
+    await ask("ahead", 30.0)
+    first = await until(lambda: answered("ahead"), 20, "the attempt for the first ask")
+    assert first.attempt is not None and first.attempt.result == "placed"
+    await ask("behind", -10.0)
+    second = await until(lambda: answered("ahead", "behind"), 15, "an attempt for the second ask")
+    assert second.attempt is not None and second.attempt.at > first.attempt.at
+    assert second.attempt.asked == first.attempt.asked  # the times alone said "answered"
 
 
 async def test_an_idle_fleet_costs_a_handful_of_long_polls_not_calls_per_model(

@@ -21,7 +21,7 @@ from nomad_driver.nomad import Nomad, NomadError, NomadUnavailable
 from nomad_driver.placement import PlacementWarnings, fabric_constraint, summarize_placement
 from nomad_driver.render import render_job
 from nomad_driver.spec import Model
-from nomad_driver.state import ActionError, Attempt
+from nomad_driver.state import ActionError, Attempt, ask_numbers
 from nomad_driver.watcher.decisions import (
     Action,
     Activate,
@@ -145,6 +145,7 @@ class Actor:
                 raise LeaseLost("leadership lost during the pass")
             if isinstance(action, Activate):
                 attempt, outcome = await self._activate(model, action, view)
+                attempt = attempt.model_copy(update={"answered": ask_numbers(view.asks)})
                 asked_nomad = True
                 if isinstance(outcome, ActionError):
                     condition = condition if outcome.same_refusal(condition) else outcome

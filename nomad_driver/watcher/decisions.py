@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from nomad_driver.placement import FabricRoom
 from nomad_driver.spec import Model
-from nomad_driver.state import ModelState
+from nomad_driver.state import Ask, ModelState
 from nomad_driver.watcher.parking import (
     StartId,
 )
@@ -52,8 +52,8 @@ class ModelView:
     # Since the job's count last changed, for the step rate limit (inf: not seen changing).
     since_step_s: float = float("inf")
     step_interval_s: float = DEFAULT_STEP_INTERVAL_S
-    # The latest ask of any router for this model (Unix time, the router's clock), or None.
-    asked_at: float | None = None
+    # Each live router's latest ask for this model (none: nobody waits for an activation).
+    asks: tuple[Ask, ...] = ()
     # How late the routers' activity can reach the watcher: their publishing interval.
     activity_grace_s: float = 0.0
     # A multi-node model's fabrics as the pass measured them, without its own allocations (the

@@ -8,7 +8,7 @@ import math
 from collections.abc import Iterator, Mapping
 
 from nomad_driver.consul import Consul, ConsulError, KVEntry
-from nomad_driver.state import INFLIGHT_PREFIX, RouterInFlight, parse_inflight
+from nomad_driver.state import INFLIGHT_PREFIX, Ask, RouterInFlight, parse_inflight
 
 log = logging.getLogger("llmgw.watcher")
 
@@ -27,7 +27,7 @@ def requests_in_flight(
     requests: dict[str, int] = {}
     replicas: dict[str, set[str]] = {}
     grace = least_grace_s
-    for router in _live_routers(kv, now):
+    for _, router in _live_routers(kv, now):
         grace = max(grace, router.interval_s)
         for model, n in router.requests.items():
             requests[model] = requests.get(model, 0) + n
@@ -35,21 +35,23 @@ def requests_in_flight(
     return requests, replicas, grace
 
 
-def asks(kv: Mapping[str, KVEntry], now: float) -> dict[str, float]:
-    """The latest ask per model over the routers that still refresh their key: what the leader
-    answers with an activation attempt."""
-    latest: dict[str, float] = {}
-    for router in _live_routers(kv, now):
+def asks(kv: Mapping[str, KVEntry], now: float) -> dict[str, tuple[Ask, ...]]:
+    """Each live router's latest ask per model: what the leader answers with an activation
+    attempt, until that attempt answers every one (`Attempt.answers`)."""
+    latest: dict[str, list[Ask]] = {}
+    for key, router in _live_routers(kv, now):
+        # An older router names no process and numbers nothing: known by its key, answered by time.
+        asker = router.asker or key.removeprefix(INFLIGHT_PREFIX)
         for model, at in router.asked.items():
-            latest[model] = max(latest.get(model, 0.0), at)
-    return latest
+            latest.setdefault(model, []).append(Ask(asker, router.ask_seq.get(model, 0), at))
+    return {model: tuple(found) for model, found in latest.items()}
 
 
 def routers_change_at(kv: Mapping[str, KVEntry], now: float) -> float:
     """When what the routers' records say next changes with nothing written: one going stale, or
     one dated ahead coming due (inf: never)."""
     return min(
-        (router.changes_at(now) for router in _parsed_routers(kv)),
+        (router.changes_at(now) for _, router in _parsed_routers(kv)),
         default=math.inf,
     )
 
@@ -70,14 +72,14 @@ async def forget_gone_routers(consul: Consul, kv: Mapping[str, KVEntry], now: fl
             return
 
 
-def _live_routers(kv: Mapping[str, KVEntry], now: float) -> Iterator[RouterInFlight]:
-    """The routers' in-flight records that parse and are still refreshed."""
-    return (router for router in _parsed_routers(kv) if router.live(now))
+def _live_routers(kv: Mapping[str, KVEntry], now: float) -> Iterator[tuple[str, RouterInFlight]]:
+    """The routers' in-flight records that parse and are still refreshed, with their keys."""
+    return ((key, router) for key, router in _parsed_routers(kv) if router.live(now))
 
 
-def _parsed_routers(kv: Mapping[str, KVEntry]) -> Iterator[RouterInFlight]:
+def _parsed_routers(kv: Mapping[str, KVEntry]) -> Iterator[tuple[str, RouterInFlight]]:
     for key, entry in kv.items():
         if key.startswith(INFLIGHT_PREFIX):
             router = parse_inflight(entry.value)
             if router is not None:
-                yield router
+                yield key, router

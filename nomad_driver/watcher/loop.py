@@ -438,7 +438,7 @@ class Watcher:
                 ),
                 since_step_s=now - stepped[1],
                 step_interval_s=self.config.scale_step_interval_s,
-                asked_at=asked.get(name),
+                asks=asked.get(name, ()),
                 activity_grace_s=grace,
                 fabric_rooms=self._fabric_rooms(model),
                 job_id=job_id,

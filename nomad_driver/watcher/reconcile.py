@@ -288,13 +288,15 @@ def _scale_message(m: Model, state: ModelState, count: int, desired: int, wanted
 
 
 def _unanswered_ask(view: ModelView, state: ModelState) -> float | None:
-    """The routers' latest ask when the leader has not answered it yet (parked models are
-    answered by their state: routers refuse them as parked)."""
-    if view.asked_at is None or state.parked:
+    """The routers' latest ask time while the latest attempt does not answer every router's
+    ask, by the rule the router itself waits by (parked models are answered by their state:
+    routers refuse them as parked)."""
+    if not view.asks or state.parked:
         return None
-    if state.attempt is not None and state.attempt.asked >= view.asked_at:
+    attempt = state.attempt
+    if attempt is not None and all(attempt.answers(ask) for ask in view.asks):
         return None
-    return view.asked_at
+    return max(ask.at for ask in view.asks)
 
 
 def _latest_failure(view: ModelView) -> PlacementFailure | None:

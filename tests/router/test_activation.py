@@ -10,6 +10,7 @@ import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -291,10 +292,11 @@ def test_no_watcher_answering_is_a_retryable_503_naming_it(
 def test_an_attempt_answering_another_routers_later_clock_is_not_taken_for_this_requests_answer(
     consul_url: str, start_router: StartRouter
 ) -> None:
-    """Asks from several routers are compared. Another router's clock runs an hour ahead of this
-    one's; the watcher answered its ask ("unplaceable", before this request arrived). This
-    router's ask must come after that attempt, so the request waits for an attempt of its own
-    (here none comes: no watcher) instead of taking the old answer as current."""
+    """An older watcher (its attempt names no asks) compares asks from several routers by time.
+    Another router's clock runs an hour ahead of this one's; that watcher answered its ask
+    ("unplaceable", before this request arrived). This router's ask time must come after that
+    attempt, so the request waits for an attempt of its own (here none comes: no watcher)
+    instead of taking the old answer as current."""
     put_kv(
         consul_url,
         "llmgw/config/models",
@@ -323,6 +325,61 @@ def test_an_attempt_answering_another_routers_later_clock_is_not_taken_for_this_
     assert asked > ahead
     assert resp.status_code == 503, resp.text
     assert resp.json()["error"]["code"] == "activation_failed", resp.text
+
+
+def test_a_waiting_request_takes_only_the_attempt_that_answers_its_own_ask_by_number(
+    consul_url: str, start_router: StartRouter
+) -> None:
+    """Another router's clock runs 30 s ahead, and the watcher answered its ask ("no room
+    then") after this router asked, so no attempt seen before the ask could move this ask's
+    time past it. By time that attempt answers this request too; by number it does not, and
+    the request waits for the attempt that names this router's ask."""
+    put_kv(
+        consul_url,
+        "llmgw/config/models",
+        models_yaml(Path("/models/tiny.gguf"), Path("/models/kev.gguf")),
+    )
+    router = start_router(consul_url, activation=True, timeouts=Timeouts(evaluation_s=20.0))
+    wait_until(lambda: "tiny" in router.app.discovery.snapshot.models, 10, "the models")
+    key = f"llmgw/inflight/{router.app.activity.router_id}"
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(
+            httpx.post,
+            f"{router.url}/v1/chat/completions",
+            json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]},
+            timeout=30,
+        )
+
+        def published() -> dict[str, Any] | None:
+            value = get_kv(consul_url, key)
+            record = json.loads(value) if value else {}
+            use = record.get("models", {}).get("tiny", {})
+            return {**use, "asker": record.get("asker")} if "asked" in use else None
+
+        mine = wait_until(published, 10, "the ask")
+        ahead = mine["asked"] + 30
+        others = {
+            "asked": ahead,
+            "at": ahead,
+            "eval": "e-then",
+            "result": "unplaceable",
+            "reason": "no room then",
+        }
+        put_state(consul_url, "tiny", attempt={**others, "answered": {"other-router/1a2b3c4d": 1}})
+        wait_until(
+            lambda: (s := router.app.discovery.snapshot.states.get("tiny")) and s.attempt and s.attempt.eval,
+            10,
+            "the other router's attempt",
+        )
+        time.sleep(0.5)
+        assert not pending.done(), pending.result().text
+        answered = {"other-router/1a2b3c4d": 1, mine["asker"]: mine["ask_seq"]}
+        now = {**others, "eval": "e-now", "reason": "no room now", "answered": answered}
+        put_state(consul_url, "tiny", attempt=now)
+        resp = pending.result()
+    assert resp.status_code == 503, resp.text
+    assert resp.json()["error"]["code"] == "model_unplaceable", resp.text
+    assert "no room now" in resp.json()["error"]["message"], resp.text
 
 
 @pytest.mark.slow
