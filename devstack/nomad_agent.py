@@ -52,8 +52,18 @@ def _tail(log: Path, lines: int = 20) -> str:
 
 
 def start_standin(
-    *, nodes: Path, consul_url: str, data_dir: Path, log: Path, clock_speed: float, timeout: float = 30.0
+    *,
+    nodes: Path,
+    consul_url: str,
+    data_dir: Path,
+    log: Path,
+    clock_speed: float,
+    acl_bootstrap_token: str | None = None,
+    timeout: float = 30.0,
 ) -> tuple[subprocess.Popen[bytes], str]:
+    """The stand-in on a free port; with `acl_bootstrap_token`, Nomad's ACLs on and that secret
+    as the management token."""
+    acl = ["--acl-bootstrap-token", acl_bootstrap_token] if acl_bootstrap_token else []
     for _ in range(3):  # a free port may be taken before the stand-in binds it
         port = free_port()
         argv = [
@@ -70,6 +80,7 @@ def start_standin(
             str(data_dir),
             "--clock-speed",
             str(clock_speed),
+            *acl,
         ]
         proc = _spawn_child("nomad stand-in", argv, log, cwd=REPO)
         url = f"http://127.0.0.1:{port}"

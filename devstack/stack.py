@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 
-from devstack import demo_models, fleet, nomad_agent, processes, services
+from devstack import demo_models, fleet, nomad_acls, nomad_agent, processes, services
 from devstack import prometheus as prom
 from devstack.consul_agent import ConsulAgent
 from devstack.ports import free_port
@@ -69,6 +69,10 @@ class UpOptions:
     # The alert rules' `for:` durations are cut to this in the dev stack's copy, so that the
     # demo's alerts fire within a minute (the shipped rules wait up to ten).
     alert_for: str = prom.DEFAULT_ALERT_FOR
+    # Nomad's ACLs on (the stand-in's --acl-bootstrap-token), llmgw on its own policies' tokens.
+    acl: bool = False
+    # False: stop where an operator stands before writing a models file (getting-started step 4).
+    apply_models: bool = True
 
 
 @dataclass
@@ -79,9 +83,13 @@ class Addresses:
     admin: str = ""
     prometheus: str = ""
     watchers: list[str] = field(default_factory=list)
+    # With ACLs on: the operator's token (llmgw-operator, for plan and apply) and the admin token.
+    nomad_token: str = ""
+    admin_token: str = ""
+    api_key: str = ""
 
     def env(self) -> dict[str, str]:
-        return {
+        env = {
             "NOMAD_ADDR": self.nomad,
             "CONSUL_HTTP_ADDR": self.consul,
             "LLMGW_ADMIN_ADDR": self.admin,
@@ -89,6 +97,13 @@ class Addresses:
             "OPENAI_BASE_URL": f"{self.router}/v1",
             "PROMETHEUS_ADDR": self.prometheus,
         }
+        if self.nomad_token:
+            env["NOMAD_TOKEN"] = self.nomad_token
+        if self.admin_token:
+            env["LLMGW_ADMIN_TOKEN"] = self.admin_token
+        if self.api_key:
+            env["OPENAI_API_KEY"] = self.api_key  # what the openai SDKs send when given no key
+        return env
 
 
 class Stack:
@@ -109,6 +124,12 @@ class Stack:
         self.nomad_is_standin = True
         self.services = services.Services()
         self.gemma_is_real = False
+        self.tokens: nomad_acls.StackTokens | None = None
+
+    @property
+    def management_token(self) -> str | None:
+        """What the stack's own Nomad calls (registering, stopping) carry: an installer's token."""
+        return self.tokens.management if self.tokens else None
 
     # ----- up -------------------------------------------------------------------------------
 
@@ -140,6 +161,9 @@ class Stack:
             "gemma_is_real": self.gemma_is_real,
             "services": self.options.services,
             "nomad": "stand-in" if self.nomad_is_standin else "nomad agent -dev",
+            "nomad_acl": self.options.acl,
+            # The installer's token: Variables and ACLs need it (the operator's token reads neither).
+            "nomad_management_token": self.management_token or "",
         }
         self.state.save(self.dir)
 
@@ -167,7 +191,10 @@ class Stack:
         self._start_prometheus()
         self._start_nomad()
         self._start_services()
-        self._apply()
+        if o.apply_models:
+            self._apply()
+        else:
+            self.say(f"no models applied (--no-models); apply them with: llmgw apply {self.models_file}")
         from devstack.tour import write_env_file
 
         write_env_file(self)
@@ -202,6 +229,11 @@ class Stack:
         binary = nomad_agent.find_nomad() if o.nomad in ("auto", "real") else None
         if o.nomad == "real" and binary is None:
             raise StackError("--nomad real: no 'nomad' binary on PATH")
+        if o.acl and binary:
+            # A real agent would need `acl { enabled = true }` and `nomad acl bootstrap`; not
+            # written yet, and a stack that silently ran without ACLs would prove nothing.
+            raise StackError("--acl runs with the Nomad stand-in only for now: pass --nomad standin")
+        management = nomad_acls.new_management_token() if o.acl else None
         log = self.logs / "nomad.log"
         assert self.consul is not None
         if binary:
@@ -225,11 +257,23 @@ class Stack:
                 data_dir=self.dir / "nomad",
                 log=log,
                 clock_speed=o.clock_speed,
+                acl_bootstrap_token=management,
             )
         self.nomad_proc = proc
         self._track("nomad", proc.pid, log)
         self.addr.nomad = url
         self.say(f"Nomad {url}")
+        if management:
+            self.tokens = nomad_acls.set_up(url, management)
+            self.addr.nomad_token = self.tokens.operator
+            self.addr.admin_token = self.tokens.admin
+            self.addr.api_key = self.tokens.api_key
+            self.save()
+            self.say(
+                f"Nomad ACLs on: policies from {nomad_acls.POLICIES_DIR.relative_to(REPO)}, a token each for "
+                f"the watcher, the node agent and the operator (NOMAD_TOKEN, llmgw-operator); the management "
+                f"token is in {self.dir / processes.STATE_FILE} (info.nomad_management_token)"
+            )
 
     def _start_services(self) -> None:
         o = self.options
@@ -242,6 +286,7 @@ class Stack:
             "max_start_failures": o.max_start_failures,
             "router_port": free_port(),
             "say": self.say,
+            "tokens": self.tokens,
         }
         if o.services == "process":
             self.services = services.start_as_processes(logs_dir=self.logs, **common)
@@ -301,12 +346,16 @@ class Stack:
     def expected(self) -> dict[str, str]:
         """What each demo model should come to here: a real `nomad agent -dev` is one node with
         no fabric, so the two-node replica can only be unplaceable there."""
+        if not self.options.apply_models:
+            return {}
         if self.nomad_is_standin:
             return dict(EXPECTED)
         return {**EXPECTED, "gemma-3-270m-split": "unplaceable"}
 
     def wait_for_demo(self, expected: dict[str, str] = EXPECTED) -> dict[str, dict[str, Any]]:
         """Print each model's changes until every one is where the demo wants it."""
+        if not expected:
+            return {}
         self.say(
             "waiting for the models: Gemma to serve (also split over two nodes), kev-0.5b to be parked, "
             "phi-4 to be unplaceable"
@@ -343,22 +392,23 @@ class Stack:
 
     def down(self) -> None:
         nomad_url = self.addr.nomad
+        token = self.management_token
         if nomad_url and self.nomad_proc is not None and self.nomad_proc.poll() is None:
             self.say("stopping the watchers ...")
             if self.options.services == "nomad":
                 # Watchers first: with them gone nothing re-registers a job being stopped.
-                services.stop_job(nomad_url, services.WATCHER_JOB)
-                services.wait_allocs_gone(nomad_url, services.WATCHER_JOB, 40)
+                services.stop_job(nomad_url, services.WATCHER_JOB, token)
+                services.wait_allocs_gone(nomad_url, services.WATCHER_JOB, 40, token)
             else:
                 for child in self.services.children:
                     if child.name.startswith("watcher"):
                         processes.stop_group(child.pid)
             self.say("stopping the router and the models' jobs ...")
-            for job_id in services.job_ids(nomad_url):
-                services.stop_job(nomad_url, job_id)
+            for job_id in services.job_ids(nomad_url, token):
+                services.stop_job(nomad_url, job_id, token)
             # Engines get their kill_timeout to exit; a real Nomad agent would leave them
             # running if it stopped first.
-            services.wait_allocs_gone(nomad_url, None, 45)
+            services.wait_allocs_gone(nomad_url, None, 45, token)
         if self.state.children:
             self.say(f"stopping {', '.join(c.name for c in reversed(self.state.children))} ...")
         stop_children(self.state, self.say)
@@ -411,7 +461,7 @@ def run_up(options: UpOptions, say: Say = say) -> int:
     try:
         stack.up()
         models = stack.wait_for_demo(stack.expected())
-        if options.tour:
+        if options.tour and options.apply_models:
             from devstack.tour import show_tour
 
             show_tour(stack, models)
@@ -433,6 +483,7 @@ def run_up(options: UpOptions, say: Say = say) -> int:
         services.ServiceError,
         nomad_agent.NomadStartError,
         prom.PrometheusError,
+        nomad_acls.AclSetupError,
         RuntimeError,
         OSError,
         ValueError,

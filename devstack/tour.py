@@ -44,14 +44,18 @@ def _one_line(text: str) -> str:
 SPLIT = "gemma-3-270m-split"
 
 
-def openai_step(router: str, model: str = "gemma-3-270m") -> str:
-    client = openai.OpenAI(base_url=f"{router}/v1", api_key="devstack", max_retries=5, timeout=120)
+# The router asks for a key only where the stack gave it some (--acl); any key does otherwise.
+ANY_KEY = "devstack"
+
+
+def openai_step(router: str, model: str = "gemma-3-270m", api_key: str = "") -> str:
+    client = openai.OpenAI(base_url=f"{router}/v1", api_key=api_key or ANY_KEY, max_retries=5, timeout=120)
     reply = client.completions.create(model=model, prompt=PROMPT, max_tokens=32, temperature=0.7)
     return reply.choices[0].text
 
 
-def refusal_step(router: str, model: str) -> str:
-    client = openai.OpenAI(base_url=f"{router}/v1", api_key="devstack", max_retries=0, timeout=60)
+def refusal_step(router: str, model: str, api_key: str = "") -> str:
+    client = openai.OpenAI(base_url=f"{router}/v1", api_key=api_key or ANY_KEY, max_retries=0, timeout=60)
     try:
         client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": "hello"}], max_tokens=8
@@ -66,12 +70,14 @@ def refusal_step(router: str, model: str) -> str:
     return "answered (not refused)"
 
 
-def curl_command(router: str) -> list[str]:
+def curl_command(router: str, api_key: str = "") -> list[str]:
     body = {"model": "gemma-3-270m", "prompt": STORY, "max_tokens": 40}
+    auth = ["-H", f"Authorization: Bearer {api_key}"] if api_key else []
     return [
         "curl",
         "-s",
         f"{router}/v1/completions",
+        *auth,
         "-H",
         "Content-Type: application/json",
         "-d",
@@ -79,8 +85,8 @@ def curl_command(router: str) -> list[str]:
     ]
 
 
-def curl_step(router: str) -> str:
-    argv = curl_command(router)
+def curl_step(router: str, api_key: str = "") -> str:
+    argv = curl_command(router, api_key)
     if shutil.which("curl") is None:
         return "(curl is not installed here)"
     out = subprocess.run(argv, capture_output=True, text=True, timeout=180)
@@ -147,18 +153,18 @@ def show_tour(stack: Stack, models: dict[str, dict[str, Any]]) -> None:
         )
     )
     try:
-        _print(f"\n    -> {_one_line(PROMPT + openai_step(a.router))}")
+        _print(f"\n    -> {_one_line(PROMPT + openai_step(a.router, api_key=a.api_key))}")
     except openai.APIError as exc:
         _print(f"\n    -> error: {exc}")
 
     _print("\n2. The same model with curl:\n")
-    _print(_indent(shlex.join(curl_command(a.router))))
-    _print(f"\n    -> {_one_line(curl_step(a.router))}")
+    _print(_indent(shlex.join(curl_command(a.router, a.api_key))))
+    _print(f"\n    -> {_one_line(curl_step(a.router, a.api_key))}")
 
     _print(f"\n3. The same weights as one replica over two nodes of one fabric ({SPLIT}): llama-server on")
     _print("   one node, its layers spread to a ggml-rpc-server shard on the other, over RPC:\n")
     try:
-        _print(f"    -> {_one_line(PROMPT + openai_step(a.router, SPLIT))}")
+        _print(f"    -> {_one_line(PROMPT + openai_step(a.router, SPLIT, a.api_key))}")
     except openai.APIError as exc:
         _print(f"    -> error: {exc}")
     _print(
@@ -170,7 +176,7 @@ def show_tour(stack: Stack, models: dict[str, dict[str, Any]]) -> None:
     _print(_indent(ctl_step(stack, "status")))
     _print("\n   A request for a parked or unplaceable model is refused at once, with why:\n")
     for model in ("kev-0.5b", "phi-4"):
-        _print(f"    {model}: {refusal_step(a.router, model)}")
+        _print(f"    {model}: {refusal_step(a.router, model, a.api_key)}")
     _print(f"\n   And the alerts that fire for them, from Prometheus's API ({a.prometheus}/api/v1/alerts):\n")
     _print(_indent(alerts_step(a.prometheus)))
 

@@ -11,6 +11,12 @@ variable "nomad_addr" {
   description = "Nomad HTTP API."
 }
 
+variable "nomad_token" {
+  type        = string
+  description = "NOMAD_TOKEN: the node agent's token where Nomad's ACLs are on (python -m devstack up --acl); empty: none."
+  default     = ""
+}
+
 variable "node_pool" {
   type        = string
   description = "Node pool of the GPU nodes."
@@ -56,7 +62,8 @@ job "llmgw-node-agent" {
       }
 
       env {
-        NOMAD_ADDR = var.nomad_addr
+        NOMAD_ADDR  = var.nomad_addr
+        NOMAD_TOKEN = var.nomad_token
       }
 
       resources {

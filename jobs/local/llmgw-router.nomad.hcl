@@ -17,6 +17,12 @@ variable "port" {
   default     = 8080
 }
 
+variable "api_keys" {
+  type        = string
+  description = "LLMGW_API_KEYS: the keys clients send as Bearer tokens, comma-separated; empty: none asked."
+  default     = ""
+}
+
 variable "node_pool" {
   type        = string
   description = "Node pool for llmgw's own services: not the GPU pool the models run in."
@@ -61,6 +67,7 @@ job "llmgw-router" {
 
       env {
         CONSUL_HTTP_ADDR = var.consul_addr
+        LLMGW_API_KEYS   = var.api_keys
       }
 
       resources {

@@ -35,6 +35,18 @@ variable "max_start_failures" {
   default     = 5
 }
 
+variable "nomad_token" {
+  type        = string
+  description = "NOMAD_TOKEN: the watcher's token where Nomad's ACLs are on (python -m devstack up --acl); empty: none."
+  default     = ""
+}
+
+variable "admin_token" {
+  type        = string
+  description = "LLMGW_ADMIN_TOKEN: the bearer token the admin API wants for writes; empty: none."
+  default     = ""
+}
+
 variable "node_pool" {
   type        = string
   description = "Node pool for llmgw's own services: not the GPU pool the models run in."
@@ -76,8 +88,10 @@ job "llmgw-watcher" {
       }
 
       env {
-        NOMAD_ADDR       = var.nomad_addr
-        CONSUL_HTTP_ADDR = var.consul_addr
+        NOMAD_ADDR        = var.nomad_addr
+        CONSUL_HTTP_ADDR  = var.consul_addr
+        NOMAD_TOKEN       = var.nomad_token
+        LLMGW_ADMIN_TOKEN = var.admin_token
       }
 
       resources {
