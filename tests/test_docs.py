@@ -286,6 +286,7 @@ ELSEWHERE: dict[str, tuple[str, str]] = {
     "LLMGW_CACHE": ("devstack/llama_cpp.py", "the dev stack's download and build cache"),
     "LLMGW_DEVSTACK_DIR": ("devstack/__main__.py", "the dev stack's state directory"),
     "LLMGW_DEVSTACK_TINY": ("devstack/__main__.py", "the dev stack's tiny-model mode"),
+    "LLMGW_DEVSTACK_ACL": ("devstack/__main__.py", "the dev stack with Nomad's ACLs on"),
     "LLMGW_LLAMA_SERVER_BIN": ("devstack/llama_cpp.py", "the dev stack and tests: which llama-server to run"),
     "LLMGW_RPC_SERVER_BIN": (
         "devstack/llama_cpp.py",
@@ -297,7 +298,10 @@ ELSEWHERE: dict[str, tuple[str, str]] = {
         "the stand-in's simulated hardware: the GPUs a process on a simulated node can see",
     ),
     "LLMGW_PROMETHEUS_BIN": ("devstack/prometheus.py", "the dev stack's Prometheus server"),
-    "LLMGW_ROUTER_URL": ("devstack/stack.py", "written into .devstack/env for your shell: the router's URL"),
+    "LLMGW_ROUTER_URL": (
+        "devstack/addresses.py",
+        "written into .devstack/env for your shell: the router's URL",
+    ),
 }
 
 
