@@ -8,12 +8,13 @@ counts it as start failures or re-registers jobs that are being stopped.
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import signal
 import subprocess
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -22,8 +23,10 @@ import httpx
 
 from devstack import demo_models, fleet, nomad_acls, nomad_agent, processes, services
 from devstack import prometheus as prom
+from devstack.addresses import Addresses
 from devstack.consul_agent import ConsulAgent
 from devstack.ports import free_port
+from devstack.tour import show_tour
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_STATE_DIR = REPO / ".devstack"
@@ -73,37 +76,6 @@ class UpOptions:
     acl: bool = False
     # False: stop where an operator stands before writing a models file (getting-started step 4).
     apply_models: bool = True
-
-
-@dataclass
-class Addresses:
-    consul: str = ""
-    nomad: str = ""
-    router: str = ""
-    admin: str = ""
-    prometheus: str = ""
-    watchers: list[str] = field(default_factory=list)
-    # With ACLs on: the operator's token (llmgw-operator, for plan and apply) and the admin token.
-    nomad_token: str = ""
-    admin_token: str = ""
-    api_key: str = ""
-
-    def env(self) -> dict[str, str]:
-        env = {
-            "NOMAD_ADDR": self.nomad,
-            "CONSUL_HTTP_ADDR": self.consul,
-            "LLMGW_ADMIN_ADDR": self.admin,
-            "LLMGW_ROUTER_URL": self.router,
-            "OPENAI_BASE_URL": f"{self.router}/v1",
-            "PROMETHEUS_ADDR": self.prometheus,
-        }
-        if self.nomad_token:
-            env["NOMAD_TOKEN"] = self.nomad_token
-        if self.admin_token:
-            env["LLMGW_ADMIN_TOKEN"] = self.admin_token
-        if self.api_key:
-            env["OPENAI_API_KEY"] = self.api_key  # what the openai SDKs send when given no key
-        return env
 
 
 class Stack:
@@ -195,9 +167,7 @@ class Stack:
             self._apply()
         else:
             self.say(f"no models applied (--no-models); apply them with: llmgw apply {self.models_file}")
-        from devstack.tour import write_env_file
-
-        write_env_file(self)
+        self.write_env_file()
         self.save()
 
     def _start_prometheus(self) -> None:
@@ -388,6 +358,12 @@ class Stack:
             return {}
         return {str(m.get("model")): m for m in body.get("models", []) if isinstance(m, dict)}
 
+    def write_env_file(self) -> None:
+        """`.devstack/env`, for `source .devstack/env` in another shell (the venv's bin/ too)."""
+        lines = [f"export {k}={shlex.quote(v)}" for k, v in self.addr.env().items()]
+        lines.append(f'export PATH={shlex.quote(str(services.venv_root() / "bin"))}:"$PATH"')
+        (self.dir / "env").write_text("\n".join(lines) + "\n")
+
     # ----- down -----------------------------------------------------------------------------
 
     def down(self) -> None:
@@ -462,8 +438,6 @@ def run_up(options: UpOptions, say: Say = say) -> int:
         stack.up()
         models = stack.wait_for_demo(stack.expected())
         if options.tour and options.apply_models:
-            from devstack.tour import show_tour
-
             show_tour(stack, models)
         stack.state.ready = True
         stack.save()

@@ -12,15 +12,33 @@ import shlex
 import shutil
 import subprocess
 import time
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any, Protocol
 
 import httpx
 import openai
 
 from devstack import prometheus as prom
+from devstack.addresses import Addresses
+from devstack.services import venv_root
 
-if TYPE_CHECKING:
-    from devstack.stack import Stack
+
+class TourStack(Protocol):
+    """What the tour reads of the running stack (`stack.Stack` is one)."""
+
+    @property
+    def addr(self) -> Addresses: ...
+    @property
+    def gemma_is_real(self) -> bool: ...
+    @property
+    def nomad_is_standin(self) -> bool: ...
+    @property
+    def dir(self) -> Path: ...
+    @property
+    def logs(self) -> Path: ...
+    @property
+    def models_file(self) -> Path: ...
+
 
 PROMPT = "The three primary colours are"
 # A base model continues text; it has not learnt to follow a chat turn, so the curl asks for a
@@ -126,16 +144,14 @@ def alerts_step(
     return "\n".join(lines) or f"(none firing after {wait_s:.0f}s; see {prometheus}/classic/alerts)"
 
 
-def ctl_step(stack: Stack, *args: str) -> str:
-    from devstack.services import venv_root
-
+def ctl_step(stack: TourStack, *args: str) -> str:
     llmgw = str(venv_root() / "bin" / "llmgw")
     env = {**os.environ, **stack.addr.env(), "COLUMNS": "120", "NO_COLOR": "1"}
     out = subprocess.run([llmgw, "ctl", *args], capture_output=True, text=True, env=env, timeout=60)
     return (out.stdout + out.stderr).rstrip()
 
 
-def show_tour(stack: Stack, models: dict[str, dict[str, Any]]) -> None:
+def show_tour(stack: TourStack, models: dict[str, dict[str, Any]]) -> None:
     a = stack.addr
     gemma = "Gemma 3 270M (a base model: fluent rather than helpful)"
     if not stack.gemma_is_real:
@@ -215,11 +231,3 @@ def show_tour(stack: Stack, models: dict[str, dict[str, Any]]) -> None:
     )
     _print("=" * 100)
     del models
-
-
-def write_env_file(stack: Stack) -> None:
-    from devstack.services import venv_root
-
-    lines = [f"export {k}={shlex.quote(v)}" for k, v in stack.addr.env().items()]
-    lines.append(f'export PATH={shlex.quote(str(venv_root() / "bin"))}:"$PATH"')
-    (stack.dir / "env").write_text("\n".join(lines) + "\n")
