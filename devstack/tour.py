@@ -213,6 +213,8 @@ def show_tour(stack: TourStack, models: dict[str, dict[str, Any]]) -> None:
     env_file = stack.dir / "env"
     _print(_indent("\n".join(f"export {k}={v}" for k, v in a.env().items())))
     _print(f"\n   (or: source {env_file}), then try:\n")
+    # With --acl the router asks for a key; .devstack/env has it as OPENAI_API_KEY.
+    auth = ' -H "Authorization: Bearer $OPENAI_API_KEY"' if a.api_key else ""
     _print(
         _indent(
             f"llmgw plan {stack.models_file}  # nothing to do: what is applied is what runs\n"
@@ -220,11 +222,11 @@ def show_tour(stack: TourStack, models: dict[str, dict[str, Any]]) -> None:
             "llmgw ctl replicas               # every replica; the split one with its shard\n"
             "llmgw ctl summary                # the fleet: nodes, GPUs by class, parked, unplaceable\n"
             "llmgw ctl models kev-0.5b        # one model in full, with its last error\n"
-            "curl -s $LLMGW_ROUTER_URL/v1/models\n"
+            f"curl -s $LLMGW_ROUTER_URL/v1/models{auth}\n"
             "curl -s $LLMGW_ADMIN_ADDR/metrics | grep '^llmgw_model_'\n"
             "curl -s $PROMETHEUS_ADDR/api/v1/alerts   # the firing alerts, as Prometheus sees them\n"
             "# the on-demand copy starts on its first request (and stops after 2 idle minutes):\n"
-            "curl -s $LLMGW_ROUTER_URL/v1/completions -H 'Content-Type: application/json' \\\n"
+            f"curl -s $LLMGW_ROUTER_URL/v1/completions{auth} -H 'Content-Type: application/json' \\\n"
             '  -d \'{"model": "gemma-3-270m-on-demand", "prompt": "Once upon a time", "max_tokens": 24}\'\n'
             "llmgw ctl retry kev-0.5b         # place it again: five more failures, parked again"
         )
