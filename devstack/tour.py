@@ -164,7 +164,7 @@ def show_tour(stack: TourStack, models: dict[str, dict[str, Any]]) -> None:
     _print(
         _indent(
             "from openai import OpenAI\n"
-            f'client = OpenAI(base_url="{a.router}/v1", api_key="devstack")\n'
+            f'client = OpenAI(base_url="{a.router}/v1", api_key="{a.api_key or ANY_KEY}")\n'
             f'client.completions.create(model="gemma-3-270m", prompt="{PROMPT}", max_tokens=32)'
         )
     )
