@@ -70,8 +70,9 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
         "--acl",
         action="store_true",
         default=os.environ.get("LLMGW_DEVSTACK_ACL", "") not in ("", "0", "false"),
-        help="Nomad ACLs on (the stand-in's --acl-bootstrap-token): llmgw runs on the tokens of "
-        "docs/policies/llmgw-*.nomad.hcl, and NOMAD_TOKEN is the operator's (env LLMGW_DEVSTACK_ACL=1)",
+        help="Nomad's and Consul's ACLs on (the stand-in's --acl-bootstrap-token, Consul deny by default): "
+        "llmgw runs on the tokens of docs/policies/llmgw-*.hcl, and NOMAD_TOKEN and CONSUL_HTTP_TOKEN "
+        "are the operator's (env LLMGW_DEVSTACK_ACL=1)",
     )
     up.add_argument(
         "--no-models",

@@ -14,8 +14,10 @@ class Addresses:
     admin: str = ""
     prometheus: str = ""
     watchers: list[str] = field(default_factory=list)
-    # With ACLs on: the operator's token (llmgw-operator, for plan and apply) and the admin token.
+    # With ACLs on: the operator's tokens (llmgw-operator, for plan and apply), the admin token
+    # and the router's API key.
     nomad_token: str = ""
+    consul_token: str = ""
     admin_token: str = ""
     api_key: str = ""
 
@@ -30,6 +32,8 @@ class Addresses:
         }
         if self.nomad_token:
             env["NOMAD_TOKEN"] = self.nomad_token
+        if self.consul_token:
+            env["CONSUL_HTTP_TOKEN"] = self.consul_token
         if self.admin_token:
             env["LLMGW_ADMIN_TOKEN"] = self.admin_token
         if self.api_key:

@@ -49,8 +49,11 @@ class ConsulAgent:
         die_with_parent: bool = False,
         start_timeout: float = 30.0,
         extra_args: tuple[str, ...] = (),
+        acl_master_token: str | None = None,
     ) -> None:
         self.host = host
+        # ACLs on, deny by default, with this secret as the management (master) token.
+        self.acl_master_token = acl_master_token
         # More agent flags, e.g. `-hcl` TLS settings for a test that needs HTTPS.
         self.extra_args = extra_args
         self.binary = binary or find_consul_binary()
@@ -101,8 +104,21 @@ class ConsulAgent:
             str(self.serf_wan_port),
             "-server-port",
             str(self.server_port),
+            *self.acl_args(),
             *self.extra_args,
         ]
+
+    def acl_args(self) -> list[str]:
+        """Consul 1.8's ACLs as a cluster with `default_policy = "deny"` has them, and the
+        stricter KV list policy (a recursive read needs `list`), as the operating guide asks."""
+        if not self.acl_master_token:
+            return []
+        token = self.acl_master_token
+        hcl = (
+            'acl {\n enabled = true\n default_policy = "deny"\n enable_key_list_policy = true\n'
+            f' tokens {{\n  master = "{token}"\n  agent = "{token}"\n }}\n}}\n'
+        )
+        return ["-hcl", hcl]
 
     def start(self, attempts: int = 3) -> ConsulAgent:
         """Start on fresh free ports, trying new ones if another process took one first."""
@@ -170,7 +186,8 @@ class ConsulAgent:
             return False
         # Sessions are refused until the agent's own node is in the catalog with a passing
         # serfHealth check, which lands a moment after the election.
-        checks = client.get(f"{self.url}/v1/health/node/{self.node_name}")
+        headers = {"X-Consul-Token": self.acl_master_token} if self.acl_master_token else {}
+        checks = client.get(f"{self.url}/v1/health/node/{self.node_name}", headers=headers)
         if checks.status_code != 200:
             return False
         return any(c.get("CheckID") == "serfHealth" and c.get("Status") == "passing" for c in checks.json())

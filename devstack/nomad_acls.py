@@ -18,6 +18,8 @@ from pathlib import Path
 
 import httpx
 
+from devstack.consul_acls import ConsulTokens
+
 REPO = Path(__file__).resolve().parents[1]
 POLICIES_DIR = REPO / "docs" / "policies"
 WATCHER_VARIABLE = "nomad/jobs/llmgw-watcher"
@@ -41,6 +43,7 @@ class StackTokens:
     admin: str
     # The key the router asks its clients for, as `api_keys` in the router's Variable.
     api_key: str
+    consul: ConsulTokens
 
 
 def new_management_token() -> str:
@@ -81,8 +84,9 @@ def put_variable(client: httpx.Client, path: str, items: dict[str, str]) -> None
     _checked(client.put(f"/v1/var/{path}", json=body), f"writing the Variable {path}")
 
 
-def set_up(nomad_url: str, management: str) -> StackTokens:
-    """Policies, tokens and Variables for llmgw on a Nomad whose ACLs `management` manages."""
+def set_up(nomad_url: str, management: str, consul: ConsulTokens) -> StackTokens:
+    """Policies, tokens and Variables for llmgw on a Nomad whose ACLs `management` manages; the
+    Variables carry the Consul tokens too, as on a cluster."""
     with httpx.Client(base_url=nomad_url, headers={"X-Nomad-Token": management}, timeout=30) as client:
         for name, rules in nomad_policies().items():
             apply_policy(client, name, rules, description=f"{name} (docs/policies/{name}.nomad.hcl)")
@@ -93,9 +97,10 @@ def set_up(nomad_url: str, management: str) -> StackTokens:
             operator=create_token(client, "llmgw-operator", ["llmgw-operator"]),
             admin=secrets.token_hex(20),  # `openssl rand -hex 20` in the docs
             api_key=f"sk-devstack-{secrets.token_hex(8)}",
+            consul=consul,
         )
-        # The dev Consul runs without ACLs, so the Variable has no consul_token to hold.
-        put_variable(client, WATCHER_VARIABLE, {"nomad_token": tokens.watcher, "admin_token": tokens.admin})
-        put_variable(client, ROUTER_VARIABLE, {"api_keys": tokens.api_key})
+        watcher = {"nomad_token": tokens.watcher, "consul_token": consul.watcher, "admin_token": tokens.admin}
+        put_variable(client, WATCHER_VARIABLE, watcher)
+        put_variable(client, ROUTER_VARIABLE, {"consul_token": consul.router, "api_keys": tokens.api_key})
         put_variable(client, NODE_AGENT_VARIABLE, {"nomad_token": tokens.node_agent})
     return tokens

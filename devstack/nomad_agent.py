@@ -8,6 +8,7 @@ with it the demo's GPU models are placed only where Nomad's nvidia plugin finds 
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -59,10 +60,13 @@ def start_standin(
     log: Path,
     clock_speed: float,
     acl_bootstrap_token: str | None = None,
+    consul_token: str | None = None,
     timeout: float = 30.0,
 ) -> tuple[subprocess.Popen[bytes], str]:
     """The stand-in on a free port; with `acl_bootstrap_token`, Nomad's ACLs on and that secret
-    as the management token."""
+    as the management token; with `consul_token`, the token it registers services with (a Nomad
+    agent's `consul { token }`)."""
+    env = {**os.environ, "CONSUL_HTTP_TOKEN": consul_token} if consul_token else None
     acl = ["--acl-bootstrap-token", acl_bootstrap_token] if acl_bootstrap_token else []
     for _ in range(3):  # a free port may be taken before the stand-in binds it
         port = free_port()
@@ -82,7 +86,7 @@ def start_standin(
             str(clock_speed),
             *acl,
         ]
-        proc = _spawn_child("nomad stand-in", argv, log, cwd=REPO)
+        proc = _spawn_child("nomad stand-in", argv, log, cwd=REPO, env=env)
         url = f"http://127.0.0.1:{port}"
         if _wait_leader(url, proc, log, timeout):
             return proc, url

@@ -119,10 +119,20 @@ def wait_allocs_gone(nomad_url: str, job_id: str | None, timeout: float, token: 
     return False
 
 
-def passing_instances(consul_url: str, service: str) -> list[str]:
+def consul_headers(token: str | None) -> dict[str, str]:
+    """The token header the `consul` CLI sends (CONSUL_HTTP_TOKEN); none where ACLs are off."""
+    return {"X-Consul-Token": token} if token else {}
+
+
+def passing_instances(consul_url: str, service: str, token: str | None = None) -> list[str]:
     """`http://ADDRESS:PORT` of each passing instance of `service` in Consul."""
     try:
-        resp = httpx.get(f"{consul_url}/v1/health/service/{service}", params={"passing": "1"}, timeout=10)
+        resp = httpx.get(
+            f"{consul_url}/v1/health/service/{service}",
+            params={"passing": "1"},
+            headers=consul_headers(token),
+            timeout=10,
+        )
         entries = resp.json() if resp.status_code == 200 else []
     except (httpx.HTTPError, ValueError):
         return []
@@ -160,8 +170,13 @@ def start_as_jobs(
 ) -> Services:
     """With `tokens` (Nomad's ACLs on) the jobs are registered with the management token, as an
     installer does, and the watchers run on the token of llmgw's own policy."""
-    secrets = {"nomad_token": tokens.watcher, "admin_token": tokens.admin} if tokens else {}
+    secrets = (
+        {"nomad_token": tokens.watcher, "consul_token": tokens.consul.watcher, "admin_token": tokens.admin}
+        if tokens
+        else {}
+    )
     installer = tokens.management if tokens else None
+    consul_installer = tokens.consul.management if tokens else None
     watcher_vars = {
         "venv": str(venv),
         "nomad_addr": nomad_url,
@@ -176,7 +191,7 @@ def start_as_jobs(
         "consul_addr": consul_url,
         "port": router_port,
         "node_pool": node_pool,
-        **({"api_keys": tokens.api_key} if tokens else {}),
+        **({"consul_token": tokens.consul.router, "api_keys": tokens.api_key} if tokens else {}),
     }
     for job_id, variables in ((WATCHER_JOB, watcher_vars), (ROUTER_JOB, router_vars)):
         hcl = LOCAL_JOBS / f"{job_id}.nomad.hcl"
@@ -196,14 +211,14 @@ def start_as_jobs(
     services = Services(router_url=f"http://127.0.0.1:{router_port}")
     _wait_for(
         f"{watchers} passing llmgw-watcher instances in Consul",
-        lambda: len(passing_instances(consul_url, WATCHER_JOB)) >= watchers,
+        lambda: len(passing_instances(consul_url, WATCHER_JOB, consul_installer)) >= watchers,
         timeout,
         lambda: f"see the job's allocations ({logs_hint})",
     )
-    services.watcher_urls = passing_instances(consul_url, WATCHER_JOB)
+    services.watcher_urls = passing_instances(consul_url, WATCHER_JOB, consul_installer)
     _wait_for(
         "the router",
-        lambda: bool(passing_instances(consul_url, ROUTER_JOB)),
+        lambda: bool(passing_instances(consul_url, ROUTER_JOB, consul_installer)),
         timeout,
         lambda: f"see the job's allocations ({logs_hint})",
     )
@@ -220,7 +235,9 @@ def job_service(job_id: str, variables: Mapping[str, object]) -> dict[str, Any]:
     return dict(service)
 
 
-def register_service(consul_url: str, service: Mapping[str, Any], instance: str, port: int) -> None:
+def register_service(
+    consul_url: str, service: Mapping[str, Any], instance: str, port: int, token: str | None = None
+) -> None:
     """`service` (from job_service) in the local Consul agent for a process on 127.0.0.1:`port`,
     with its HTTP checks, as Nomad registers it for an allocation."""
     checks = [
@@ -240,7 +257,9 @@ def register_service(consul_url: str, service: Mapping[str, Any], instance: str,
         "Port": port,
         "Checks": checks,
     }
-    resp = httpx.put(f"{consul_url}/v1/agent/service/register", json=body, timeout=10)
+    resp = httpx.put(
+        f"{consul_url}/v1/agent/service/register", json=body, headers=consul_headers(token), timeout=10
+    )
     if resp.status_code != 200:
         raise ServiceError(f"registering {body['ID']} in Consul: {resp.status_code} {resp.text.strip()}")
 
@@ -261,7 +280,18 @@ def start_as_processes(
     llmgw = str(venv / "bin" / "llmgw")
     env = {**os.environ, "NOMAD_ADDR": nomad_url, "CONSUL_HTTP_ADDR": consul_url}
     # The router holds no Nomad token; the watchers get theirs, as their job would give them.
-    watcher_env = {**env, "NOMAD_TOKEN": tokens.watcher, "LLMGW_ADMIN_TOKEN": tokens.admin} if tokens else env
+    watcher_env = env
+    router_env = env
+    if tokens:
+        watcher_env = {
+            **env,
+            "NOMAD_TOKEN": tokens.watcher,
+            "CONSUL_HTTP_TOKEN": tokens.consul.watcher,
+            "LLMGW_ADMIN_TOKEN": tokens.admin,
+        }
+        router_env = {**env, "CONSUL_HTTP_TOKEN": tokens.consul.router, "LLMGW_API_KEYS": tokens.api_key}
+    # The stack registers the processes' services as a Nomad agent would, with its token.
+    agent_token = tokens.consul.management if tokens else None
     job_vars = {"venv": str(venv), "nomad_addr": nomad_url, "consul_addr": consul_url}
     watcher_service = job_service(WATCHER_JOB, job_vars)
     # The router never calls Nomad: the leading watcher scales for it.
@@ -285,8 +315,7 @@ def start_as_processes(
         services.children.append(child)
         started.append((child, f"http://127.0.0.1:{port}/healthz"))
         services.watcher_urls.append(f"http://127.0.0.1:{port}")
-        register_service(consul_url, watcher_service, name, port)
-    router_env = {**env, "LLMGW_API_KEYS": tokens.api_key} if tokens else env
+        register_service(consul_url, watcher_service, name, port, agent_token)
     proc = processes.spawn(
         "router",
         [llmgw, "router", "--listen", f"127.0.0.1:{router_port}"],
@@ -296,7 +325,7 @@ def start_as_processes(
     router = processes.Child("router", proc.pid, str(logs_dir / "router.log"))
     services.children.append(router)
     started.append((router, f"{services.router_url}/healthz"))
-    register_service(consul_url, router_service, "router", router_port)
+    register_service(consul_url, router_service, "router", router_port, agent_token)
     say(
         f"started {watchers} watchers and a router as child processes (logs in {logs_dir}), "
         f"registered in Consul as {WATCHER_JOB} and {ROUTER_JOB} with their jobs' tags and checks"

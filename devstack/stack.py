@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 
-from devstack import demo_models, fleet, nomad_acls, nomad_agent, processes, services
+from devstack import consul_acls, demo_models, fleet, nomad_acls, nomad_agent, processes, services
 from devstack import prometheus as prom
 from devstack.addresses import Addresses
 from devstack.consul_agent import ConsulAgent
@@ -97,6 +97,7 @@ class Stack:
         self.services = services.Services()
         self.gemma_is_real = False
         self.tokens: nomad_acls.StackTokens | None = None
+        self.consul_tokens: consul_acls.ConsulTokens | None = None
 
     @property
     def management_token(self) -> str | None:
@@ -136,6 +137,7 @@ class Stack:
             "nomad_acl": self.options.acl,
             # The installer's token: Variables and ACLs need it (the operator's token reads neither).
             "nomad_management_token": self.management_token or "",
+            "consul_management_token": self.consul_tokens.management if self.consul_tokens else "",
         }
         self.state.save(self.dir)
 
@@ -154,11 +156,21 @@ class Stack:
         self.say(f"models file: {self.models_file} (from {o.template})")
 
         self.say("starting a Consul dev agent ...")
-        self.consul = ConsulAgent(log_dir=self.logs, die_with_parent=True).start()
+        master = consul_acls.new_management_token() if o.acl else None
+        self.consul = ConsulAgent(log_dir=self.logs, die_with_parent=True, acl_master_token=master).start()
         assert self.consul.pid is not None
         self._track("consul", self.consul.pid, self.consul.log_path)
         self.addr.consul = self.consul.url
         self.say(f"Consul {self.consul.url} (UI {self.consul.url}/ui/)")
+        if master:
+            self.consul_tokens = consul_acls.set_up(self.consul.url, master)
+            self.addr.consul_token = self.consul_tokens.operator
+            self.save()
+            self.say(
+                "Consul ACLs on (deny by default): policies from docs/policies/*.consul.hcl, a token each "
+                "for the watcher, the router, the operator (CONSUL_HTTP_TOKEN) and Prometheus; the "
+                "management token is in state.json (info.consul_management_token)"
+            )
 
         self._start_prometheus()
         self._start_nomad()
@@ -183,6 +195,7 @@ class Stack:
         self.prometheus = prom.start(
             state_dir=self.dir / "prometheus",
             consul_url=self.consul.url,
+            consul_token=self.consul_tokens.prometheus if self.consul_tokens else None,
             log=self.logs / "prometheus.log",
             alert_for=o.alert_for,
         )
@@ -228,13 +241,15 @@ class Stack:
                 log=log,
                 clock_speed=o.clock_speed,
                 acl_bootstrap_token=management,
+                consul_token=self.consul_tokens.management if self.consul_tokens else None,
             )
         self.nomad_proc = proc
         self._track("nomad", proc.pid, log)
         self.addr.nomad = url
         self.say(f"Nomad {url}")
         if management:
-            self.tokens = nomad_acls.set_up(url, management)
+            assert self.consul_tokens is not None
+            self.tokens = nomad_acls.set_up(url, management, self.consul_tokens)
             self.addr.nomad_token = self.tokens.operator
             self.addr.admin_token = self.tokens.admin
             self.addr.api_key = self.tokens.api_key
@@ -458,6 +473,7 @@ def run_up(options: UpOptions, say: Say = say) -> int:
         nomad_agent.NomadStartError,
         prom.PrometheusError,
         nomad_acls.AclSetupError,
+        consul_acls.ConsulAclError,
         RuntimeError,
         OSError,
         ValueError,

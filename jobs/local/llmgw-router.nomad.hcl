@@ -17,6 +17,12 @@ variable "port" {
   default     = 8080
 }
 
+variable "consul_token" {
+  type        = string
+  description = "CONSUL_HTTP_TOKEN: the router's token where Consul's ACLs are on (python -m devstack up --acl); empty: none."
+  default     = ""
+}
+
 variable "api_keys" {
   type        = string
   description = "LLMGW_API_KEYS: the keys clients send as Bearer tokens, comma-separated; empty: none asked."
@@ -66,8 +72,9 @@ job "llmgw-router" {
       }
 
       env {
-        CONSUL_HTTP_ADDR = var.consul_addr
-        LLMGW_API_KEYS   = var.api_keys
+        CONSUL_HTTP_ADDR  = var.consul_addr
+        CONSUL_HTTP_TOKEN = var.consul_token
+        LLMGW_API_KEYS    = var.api_keys
       }
 
       resources {

@@ -41,6 +41,12 @@ variable "nomad_token" {
   default     = ""
 }
 
+variable "consul_token" {
+  type        = string
+  description = "CONSUL_HTTP_TOKEN: the watcher's token where Consul's ACLs are on (python -m devstack up --acl); empty: none."
+  default     = ""
+}
+
 variable "admin_token" {
   type        = string
   description = "LLMGW_ADMIN_TOKEN: the bearer token the admin API wants for writes; empty: none."
@@ -91,6 +97,7 @@ job "llmgw-watcher" {
         NOMAD_ADDR        = var.nomad_addr
         CONSUL_HTTP_ADDR  = var.consul_addr
         NOMAD_TOKEN       = var.nomad_token
+        CONSUL_HTTP_TOKEN = var.consul_token
         LLMGW_ADMIN_TOKEN = var.admin_token
       }
 
