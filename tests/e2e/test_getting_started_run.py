@@ -1,4 +1,4 @@
-"""docs/getting-started.md, followed literally on the dev stack with Nomad's ACLs on.
+"""docs/getting-started.md, followed literally on the dev stack with Nomad's and Consul's ACLs on.
 
 Every fenced block of the page is read out of the markdown and run in the page's order, with the
 page's variables: the models file is the page's YAML, `llmgw`, `curl`, `echo`, `grep` and `cut`
@@ -14,10 +14,8 @@ placeholders in `PLACEHOLDERS` and the exported values in `exported_value`):
   command line gives it, and its output is the lines of the CLI's output that the page reads;
 - no Docker daemon: the dev stack runs the same llmgw from the virtualenv (`jobs/local/`);
 - nothing can be downloaded: the models file's `hf://` source becomes the stack's tiny GGUF;
-- the dev stack's Consul runs without ACLs and neither agent serves TLS: the page's example
-  addresses become the stack's plain-HTTP ones and `CONSUL_HTTP_TOKEN` is empty. llmgw's Consul
-  policies are checked against a Consul with ACLs in tests/test_terraform.py, and TLS settings in
-  tests/test_tls_server_names.py;
+- neither agent serves TLS here: the page's example addresses become the stack's plain-HTTP
+  ones (TLS settings are tested in tests/test_tls_server_names.py);
 - no Consul DNS: `llmgw-router.service.consul:8080` is the router the stack registered.
 """
 
@@ -155,8 +153,13 @@ def gpu_node(session: Session) -> dict[str, Any]:
 
 
 def watcher_address(session: Session) -> str:
+    """The page says where to look, not with which token: llmgw-operator reads no services, so
+    the one Consul's management token (the reader's UI login, say)."""
     entries = httpx.get(
-        f"{session.stack.consul}/v1/health/service/llmgw-watcher", params={"passing": "1"}, timeout=10
+        f"{session.stack.consul}/v1/health/service/llmgw-watcher",
+        params={"passing": "1"},
+        headers={"X-Consul-Token": session.stack.info["consul_management_token"]},
+        timeout=10,
     ).json()
     service = entries[0]["Service"]
     return f"{service['Address'] or '127.0.0.1'}:{service['Port']}"
@@ -184,7 +187,8 @@ def exported_value(session: Session, name: str, page_value: str) -> str:
     if name == "CONSUL_HTTP_ADDR":
         return stack.consul
     if name == "CONSUL_HTTP_TOKEN":
-        return ""  # the dev stack's Consul runs without ACLs
+        # The reader's own, holding the llmgw-operator Consul policy.
+        return stack.env["CONSUL_HTTP_TOKEN"]
     if page_value in ("", "..."):
         raise AssertionError(f"the page exports {name} with no value the test knows how to fill")
     return page_value
@@ -483,8 +487,8 @@ def write_models_file(session: Session, block: Block) -> None:
 
 @pytest.fixture(scope="module")
 def acl_stack(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """The cluster as the page finds it at step 1 and leaves it after step 3: Nomad with ACLs on,
-    llmgw's policies and tokens, the watchers and the router running, no models."""
+    """The cluster as the page finds it at step 1 and leaves it after step 3: Nomad and Consul
+    with ACLs on, llmgw's policies and tokens, its three jobs running, no models."""
     stack = start_devstack(tmp_path_factory.mktemp("devstack-acl"), "--acl", "--no-models")
     try:
         yield stack
@@ -523,7 +527,7 @@ def test_the_page_parses_into_the_commands_this_run_knows() -> None:
     ]
 
 
-def test_getting_started_from_the_docs_on_a_cluster_with_nomad_acls(
+def test_getting_started_from_the_docs_on_a_cluster_with_nomad_and_consul_acls(
     acl_stack: DevStack, tmp_path: Path
 ) -> None:
     session = Session(acl_stack, tmp_path)
@@ -541,3 +545,18 @@ def test_getting_started_from_the_docs_on_a_cluster_with_nomad_acls(
                     f"docs/getting-started.md, {block.step}: `{command.line}`:\n{exc}"
                 ) from exc
     assert any(line.startswith("llmgw apply") for line in session.ran)
+
+
+def test_prometheus_finds_llmgw_on_a_consul_with_acls_using_the_rules_its_config_names(
+    acl_stack: DevStack,
+) -> None:
+    """jobs/prometheus/prometheus.yml names the Consul rules its token needs; the stack gives
+    Prometheus a token of exactly those. Without `agent` read, Prometheus's Consul discovery
+    cannot learn its datacenter (403 on /v1/agent/self) and finds nothing."""
+
+    def targets() -> set[str] | None:
+        body = httpx.get(f"{acl_stack.env['PROMETHEUS_ADDR']}/api/v1/targets", timeout=10).json()
+        found = {t["labels"]["job"] for t in body["data"]["activeTargets"] if t["health"] == "up"}
+        return found if {"llmgw-watcher", "llmgw-router", "llmgw-node-agent"} <= found else None
+
+    wait_until("Prometheus scraping the watchers, the router and the node agents", targets, timeout=60)
