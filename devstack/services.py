@@ -168,8 +168,8 @@ def start_as_jobs(
     tokens: StackTokens | None = None,
     gpu_node_pool: str = "gpu",
 ) -> Services:
-    """With `tokens` (Nomad's ACLs on) the jobs are registered with the management token, as an
-    installer does, and the watchers run on the token of llmgw's own policy."""
+    """With `tokens` (ACLs on) the jobs are registered with the management tokens, as an
+    installer does, and each runs on the tokens of llmgw's own policies for it."""
     secrets = (
         {"nomad_token": tokens.watcher, "consul_token": tokens.consul.watcher, "admin_token": tokens.admin}
         if tokens
