@@ -30,14 +30,6 @@ from devstack.tour import show_tour
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_STATE_DIR = REPO / ".devstack"
-# The demo's models and what each should come to; `up` waits for all of them.
-EXPECTED = {
-    "gemma-3-270m": "serving",
-    "gemma-3-270m-split": "serving",
-    "gemma-3-270m-on-demand": "idle",
-    "kev-0.5b": "parked",
-    "phi-4": "unplaceable",
-}
 
 Say = Callable[[str], None]
 
@@ -334,10 +326,10 @@ class Stack:
         if not self.options.apply_models:
             return {}
         if self.nomad_is_standin:
-            return dict(EXPECTED)
-        return {**EXPECTED, "gemma-3-270m-split": "unplaceable"}
+            return dict(demo_models.EXPECTED)
+        return {**demo_models.EXPECTED, "gemma-3-270m-split": "unplaceable"}
 
-    def wait_for_demo(self, expected: dict[str, str] = EXPECTED) -> dict[str, dict[str, Any]]:
+    def wait_for_demo(self, expected: dict[str, str] = demo_models.EXPECTED) -> dict[str, dict[str, Any]]:
         """Print each model's changes until every one is where the demo wants it."""
         if not expected:
             return {}
@@ -351,11 +343,11 @@ class Stack:
         while True:
             models = self.admin_models()
             for name, model in sorted(models.items()):
-                line = describe(model)
+                line = demo_models.describe(model)
                 if shown.get(name) != line:
                     shown[name] = line
                     self.say(f"  {name}: {line}")
-            missing = [n for n, want in expected.items() if not reached(models.get(n), want)]
+            missing = [n for n, want in expected.items() if not demo_models.reached(models.get(n), want)]
             if not missing:
                 return models
             if time.monotonic() > deadline:
@@ -416,27 +408,6 @@ def stop_children(state: processes.StackState, say: Say) -> None:
             continue
         if not processes.stop_group(child.pid):
             say(f"{child.name} (pid {child.pid}) did not stop, even on SIGKILL")
-
-
-def describe(model: dict[str, Any]) -> str:
-    """One line per change: the watcher's own reason, which already names the state."""
-    reason = str(model.get("reason") or "")
-    line = reason or str(model.get("state", "?"))
-    return line if len(line) <= 200 else line[:197] + "..."
-
-
-def reached(model: dict[str, Any] | None, want: str) -> bool:
-    if model is None:
-        return False
-    if want == "serving":
-        return int(model.get("ready") or 0) >= 1
-    if want == "idle":
-        return model.get("state") == "idle"
-    if want == "parked":
-        return bool(model.get("parked"))
-    if want == "unplaceable":
-        return bool(model.get("unplaceable"))
-    return False
 
 
 def run_up(options: UpOptions, say: Say = say) -> int:
