@@ -1,7 +1,7 @@
 """`python -m devstack up|down`: the single-machine llmgw stack for demos, development and tests.
 
     python -m devstack up [--tiny] [--state-dir DIR] [--services nomad|process] [--no-tour] [--alert-for 20s]
-                          [--acl] [--no-models]
+                          [--acl] [--tls] [--no-models]
     python -m devstack down [--state-dir DIR]
 
 `up` stays in the foreground until Ctrl-C (or `down` from another shell) and then stops every
@@ -75,6 +75,13 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
         "are the operator's (env LLMGW_DEVSTACK_ACL=1)",
     )
     up.add_argument(
+        "--tls",
+        action="store_true",
+        default=os.environ.get("LLMGW_DEVSTACK_TLS", "") not in ("", "0", "false"),
+        help="Nomad's API over HTTPS with a certificate of only the names 'nomad tls cert create' gives; "
+        "NOMAD_CACERT names its CA (env LLMGW_DEVSTACK_TLS=1)",
+    )
+    up.add_argument(
         "--no-models",
         action="store_true",
         help="apply no models and wait for none: the cluster as docs/getting-started.md has it before step 4",
@@ -109,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         alert_for=args.alert_for,
         acl=args.acl,
         apply_models=not args.no_models,
+        tls=args.tls,
     )
     return stack.run_up(options)
 

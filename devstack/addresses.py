@@ -18,6 +18,7 @@ class Addresses:
     # and the router's API key.
     nomad_token: str = ""
     consul_token: str = ""
+    nomad_cacert: str = ""  # with --tls: the CA that signed the stand-in's certificate
     admin_token: str = ""
     api_key: str = ""
 
@@ -30,6 +31,8 @@ class Addresses:
             "OPENAI_BASE_URL": f"{self.router}/v1",
             "PROMETHEUS_ADDR": self.prometheus,
         }
+        if self.nomad_cacert:
+            env["NOMAD_CACERT"] = self.nomad_cacert
         if self.nomad_token:
             env["NOMAD_TOKEN"] = self.nomad_token
         if self.consul_token:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import httpx
 
+from devstack.agent_tls import verify
 from devstack.consul_acls import ConsulTokens
 
 REPO = Path(__file__).resolve().parents[1]
@@ -84,10 +85,11 @@ def put_variable(client: httpx.Client, path: str, items: dict[str, str]) -> None
     _checked(client.put(f"/v1/var/{path}", json=body), f"writing the Variable {path}")
 
 
-def set_up(nomad_url: str, management: str, consul: ConsulTokens) -> StackTokens:
+def set_up(nomad_url: str, management: str, consul: ConsulTokens, ca: Path | None = None) -> StackTokens:
     """Policies, tokens and Variables for llmgw on a Nomad whose ACLs `management` manages; the
     Variables carry the Consul tokens too, as on a cluster."""
-    with httpx.Client(base_url=nomad_url, headers={"X-Nomad-Token": management}, timeout=30) as client:
+    headers = {"X-Nomad-Token": management}
+    with httpx.Client(base_url=nomad_url, headers=headers, timeout=30, verify=verify(ca)) as client:
         for name, rules in nomad_policies().items():
             apply_policy(client, name, rules, description=f"{name} (docs/policies/{name}.nomad.hcl)")
         tokens = StackTokens(

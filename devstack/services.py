@@ -25,6 +25,7 @@ from typing import Any
 import httpx
 
 from devstack import processes
+from devstack.agent_tls import verify
 from devstack.nomad.jobspec import declared_variables, parse_jobspec, undefined_variable
 from devstack.nomad_acls import StackTokens
 from devstack.ports import free_port
@@ -62,7 +63,11 @@ def nomad_headers(token: str | None) -> dict[str, str]:
 
 
 def parse_job(
-    nomad_url: str, hcl_path: Path, variables: Mapping[str, object], token: str | None = None
+    nomad_url: str,
+    hcl_path: Path,
+    variables: Mapping[str, object],
+    token: str | None = None,
+    ca: Path | None = None,
 ) -> tuple[dict[str, Any], str]:
     """The job's API JSON, and who parsed the HCL. Strict about undeclared variables on this
     side, as `nomad job run` is (`-hcl2-strict`), since Nomad's `/v1/jobs/parse` only warns."""
@@ -71,49 +76,63 @@ def parse_job(
     if undeclared:
         raise ServiceError(f"Error parsing job file from {hcl_path}:\n{undefined_variable(undeclared[0])}")
     body = {"JobHCL": text, "Variables": hcl_variables(variables), "Canonicalize": True}
-    resp = httpx.post(f"{nomad_url}/v1/jobs/parse", json=body, headers=nomad_headers(token), timeout=30)
+    resp = httpx.post(
+        f"{nomad_url}/v1/jobs/parse", json=body, headers=nomad_headers(token), timeout=30, verify=verify(ca)
+    )
     if resp.status_code != 200:
         raise ServiceError(f"{hcl_path}: Nomad refused to parse it: {resp.status_code} {resp.text.strip()}")
     job: dict[str, Any] = resp.json()
     return job, "Nomad's /v1/jobs/parse"
 
 
-def register_job(nomad_url: str, job: Mapping[str, Any], token: str | None = None) -> None:
-    resp = httpx.put(f"{nomad_url}/v1/jobs", json={"Job": job}, headers=nomad_headers(token), timeout=30)
+def register_job(
+    nomad_url: str, job: Mapping[str, Any], token: str | None = None, ca: Path | None = None
+) -> None:
+    resp = httpx.put(
+        f"{nomad_url}/v1/jobs", json={"Job": job}, headers=nomad_headers(token), timeout=30, verify=verify(ca)
+    )
     if resp.status_code != 200:
         raise ServiceError(f"registering job {job.get('ID')!r}: {resp.status_code} {resp.text.strip()}")
 
 
-def stop_job(nomad_url: str, job_id: str, token: str | None = None) -> None:
+def stop_job(nomad_url: str, job_id: str, token: str | None = None, ca: Path | None = None) -> None:
     with contextlib.suppress(httpx.HTTPError):
         httpx.delete(
-            f"{nomad_url}/v1/job/{job_id}", params={"purge": "true"}, headers=nomad_headers(token), timeout=10
+            f"{nomad_url}/v1/job/{job_id}",
+            params={"purge": "true"},
+            headers=nomad_headers(token),
+            timeout=10,
+            verify=verify(ca),
         )
 
 
-def job_ids(nomad_url: str, token: str | None = None) -> list[str]:
+def job_ids(nomad_url: str, token: str | None = None, ca: Path | None = None) -> list[str]:
     try:
-        resp = httpx.get(f"{nomad_url}/v1/jobs", headers=nomad_headers(token), timeout=10)
+        resp = httpx.get(f"{nomad_url}/v1/jobs", headers=nomad_headers(token), timeout=10, verify=verify(ca))
         return [str(j["ID"]) for j in resp.json()] if resp.status_code == 200 else []
     except (httpx.HTTPError, ValueError, KeyError, TypeError):
         return []
 
 
-def running_allocs(nomad_url: str, job_id: str | None = None, token: str | None = None) -> int:
+def running_allocs(
+    nomad_url: str, job_id: str | None = None, token: str | None = None, ca: Path | None = None
+) -> int:
     """Allocations of the job (or of every job) that still have processes."""
     path = f"/v1/job/{job_id}/allocations" if job_id else "/v1/allocations"
     try:
-        resp = httpx.get(f"{nomad_url}{path}", headers=nomad_headers(token), timeout=10)
+        resp = httpx.get(f"{nomad_url}{path}", headers=nomad_headers(token), timeout=10, verify=verify(ca))
         allocs = resp.json() if resp.status_code == 200 else []
     except (httpx.HTTPError, ValueError):
         return 0
     return sum(1 for a in allocs if a.get("ClientStatus") in ("pending", "running"))
 
 
-def wait_allocs_gone(nomad_url: str, job_id: str | None, timeout: float, token: str | None = None) -> bool:
+def wait_allocs_gone(
+    nomad_url: str, job_id: str | None, timeout: float, token: str | None = None, ca: Path | None = None
+) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if running_allocs(nomad_url, job_id, token) == 0:
+        if running_allocs(nomad_url, job_id, token, ca) == 0:
             return True
         time.sleep(0.25)
     return False
@@ -167,6 +186,7 @@ def start_as_jobs(
     node_pool: str = "default",
     tokens: StackTokens | None = None,
     gpu_node_pool: str = "gpu",
+    nomad_ca: Path | None = None,
 ) -> Services:
     """With `tokens` (ACLs on) the jobs are registered with the management tokens, as an
     installer does, and each runs on the tokens of llmgw's own policies for it."""
@@ -185,6 +205,7 @@ def start_as_jobs(
         "max_start_failures": max_start_failures,
         "node_pool": node_pool,
         **secrets,
+        **({"nomad_cacert": str(nomad_ca)} if nomad_ca else {}),
     }
     router_vars = {
         "venv": str(venv),
@@ -195,8 +216,8 @@ def start_as_jobs(
     }
     for job_id, variables in ((WATCHER_JOB, watcher_vars), (ROUTER_JOB, router_vars)):
         hcl = LOCAL_JOBS / f"{job_id}.nomad.hcl"
-        job, parser = parse_job(nomad_url, hcl, variables, installer)
-        register_job(nomad_url, job, installer)
+        job, parser = parse_job(nomad_url, hcl, variables, installer, nomad_ca)
+        register_job(nomad_url, job, installer, nomad_ca)
         say(f"registered {job_id} from {hcl.relative_to(REPO)} (HCL parsed by {parser})")
     if tokens:
         # As an installer does (docs/operating.md, section 5): the node agent on the GPU pool,
@@ -204,9 +225,11 @@ def start_as_jobs(
         # node meta stands in for it, and the stack spares two cores one process per node.
         node_agent_vars = {"venv": str(venv), "nomad_addr": nomad_url, "node_pool": gpu_node_pool}
         node_agent_vars["nomad_token"] = tokens.node_agent
+        if nomad_ca:
+            node_agent_vars["nomad_cacert"] = str(nomad_ca)
         hcl = LOCAL_JOBS / f"{NODE_AGENT_JOB}.nomad.hcl"
-        job, _ = parse_job(nomad_url, hcl, node_agent_vars, installer)
-        register_job(nomad_url, job, installer)
+        job, _ = parse_job(nomad_url, hcl, node_agent_vars, installer, nomad_ca)
+        register_job(nomad_url, job, installer, nomad_ca)
         say(f"registered {NODE_AGENT_JOB} from {hcl.relative_to(REPO)} on the pool {gpu_node_pool}")
     services = Services(router_url=f"http://127.0.0.1:{router_port}")
     _wait_for(
@@ -276,9 +299,12 @@ def start_as_processes(
     say: Say,
     timeout: float = 120.0,
     tokens: StackTokens | None = None,
+    nomad_ca: Path | None = None,
 ) -> Services:
     llmgw = str(venv / "bin" / "llmgw")
     env = {**os.environ, "NOMAD_ADDR": nomad_url, "CONSUL_HTTP_ADDR": consul_url}
+    if nomad_ca:
+        env["NOMAD_CACERT"] = str(nomad_ca)
     # The router holds no Nomad token; the watchers get theirs, as their job would give them.
     watcher_env = env
     router_env = env

@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 
-from devstack import consul_acls, demo_models, fleet, nomad_acls, nomad_agent, processes, services
+from devstack import agent_tls, consul_acls, demo_models, fleet, nomad_acls, nomad_agent, processes, services
 from devstack import prometheus as prom
 from devstack.addresses import Addresses
 from devstack.consul_agent import ConsulAgent
@@ -68,6 +68,8 @@ class UpOptions:
     acl: bool = False
     # False: stop where an operator stands before writing a models file (getting-started step 4).
     apply_models: bool = True
+    # Nomad's API over HTTPS, with a certificate of only the names `nomad tls cert create` gives.
+    tls: bool = False
 
 
 class Stack:
@@ -90,6 +92,7 @@ class Stack:
         self.gemma_is_real = False
         self.tokens: nomad_acls.StackTokens | None = None
         self.consul_tokens: consul_acls.ConsulTokens | None = None
+        self.nomad_ca: Path | None = None
 
     @property
     def management_token(self) -> str | None:
@@ -204,11 +207,14 @@ class Stack:
         binary = nomad_agent.find_nomad() if o.nomad in ("auto", "real") else None
         if o.nomad == "real" and binary is None:
             raise StackError("--nomad real: no 'nomad' binary on PATH")
-        if o.acl and binary:
+        if (o.acl or o.tls) and binary:
             # A real agent would need `acl { enabled = true }` and `nomad acl bootstrap`; not
             # written yet, and a stack that silently ran without ACLs would prove nothing.
-            raise StackError("--acl runs with the Nomad stand-in only for now: pass --nomad standin")
+            raise StackError("--acl and --tls run with the Nomad stand-in only for now: pass --nomad standin")
         management = nomad_acls.new_management_token() if o.acl else None
+        tls = agent_tls.write_agent_certificates(self.dir / "tls" / "nomad") if o.tls else None
+        self.nomad_ca = tls.ca if tls else None
+        self.addr.nomad_cacert = str(tls.ca) if tls else ""
         log = self.logs / "nomad.log"
         assert self.consul is not None
         if binary:
@@ -234,6 +240,7 @@ class Stack:
                 clock_speed=o.clock_speed,
                 acl_bootstrap_token=management,
                 consul_token=self.consul_tokens.management if self.consul_tokens else None,
+                tls=tls,
             )
         self.nomad_proc = proc
         self._track("nomad", proc.pid, log)
@@ -241,7 +248,7 @@ class Stack:
         self.say(f"Nomad {url}")
         if management:
             assert self.consul_tokens is not None
-            self.tokens = nomad_acls.set_up(url, management, self.consul_tokens)
+            self.tokens = nomad_acls.set_up(url, management, self.consul_tokens, self.nomad_ca)
             self.addr.nomad_token = self.tokens.operator
             self.addr.admin_token = self.tokens.admin
             self.addr.api_key = self.tokens.api_key
@@ -264,6 +271,7 @@ class Stack:
             "router_port": free_port(),
             "say": self.say,
             "tokens": self.tokens,
+            "nomad_ca": self.nomad_ca,
         }
         if o.services == "process":
             self.services = services.start_as_processes(logs_dir=self.logs, **common)
@@ -380,18 +388,18 @@ class Stack:
             self.say("stopping the watchers ...")
             if self.options.services == "nomad":
                 # Watchers first: with them gone nothing re-registers a job being stopped.
-                services.stop_job(nomad_url, services.WATCHER_JOB, token)
-                services.wait_allocs_gone(nomad_url, services.WATCHER_JOB, 40, token)
+                services.stop_job(nomad_url, services.WATCHER_JOB, token, self.nomad_ca)
+                services.wait_allocs_gone(nomad_url, services.WATCHER_JOB, 40, token, self.nomad_ca)
             else:
                 for child in self.services.children:
                     if child.name.startswith("watcher"):
                         processes.stop_group(child.pid)
             self.say("stopping the router and the models' jobs ...")
-            for job_id in services.job_ids(nomad_url, token):
-                services.stop_job(nomad_url, job_id, token)
+            for job_id in services.job_ids(nomad_url, token, self.nomad_ca):
+                services.stop_job(nomad_url, job_id, token, self.nomad_ca)
             # Engines get their kill_timeout to exit; a real Nomad agent would leave them
             # running if it stopped first.
-            services.wait_allocs_gone(nomad_url, None, 45, token)
+            services.wait_allocs_gone(nomad_url, None, 45, token, self.nomad_ca)
         if self.state.children:
             self.say(f"stopping {', '.join(c.name for c in reversed(self.state.children))} ...")
         stop_children(self.state, self.say)

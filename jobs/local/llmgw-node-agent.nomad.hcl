@@ -17,6 +17,12 @@ variable "nomad_token" {
   default     = ""
 }
 
+variable "nomad_cacert" {
+  type        = string
+  description = "NOMAD_CACERT: the CA of Nomad's HTTPS certificate (python -m devstack up --tls); empty: the system's CAs."
+  default     = ""
+}
+
 variable "node_pool" {
   type        = string
   description = "Node pool of the GPU nodes."
@@ -63,7 +69,8 @@ job "llmgw-node-agent" {
 
       env {
         NOMAD_ADDR  = var.nomad_addr
-        NOMAD_TOKEN = var.nomad_token
+        NOMAD_TOKEN  = var.nomad_token
+        NOMAD_CACERT = var.nomad_cacert
       }
 
       resources {

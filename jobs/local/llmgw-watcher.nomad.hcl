@@ -41,6 +41,12 @@ variable "nomad_token" {
   default     = ""
 }
 
+variable "nomad_cacert" {
+  type        = string
+  description = "NOMAD_CACERT: the CA of Nomad's HTTPS certificate (python -m devstack up --tls); empty: the system's CAs."
+  default     = ""
+}
+
 variable "consul_token" {
   type        = string
   description = "CONSUL_HTTP_TOKEN: the watcher's token where Consul's ACLs are on (python -m devstack up --acl); empty: none."
@@ -97,6 +103,7 @@ job "llmgw-watcher" {
         NOMAD_ADDR        = var.nomad_addr
         CONSUL_HTTP_ADDR  = var.consul_addr
         NOMAD_TOKEN       = var.nomad_token
+        NOMAD_CACERT      = var.nomad_cacert
         CONSUL_HTTP_TOKEN = var.consul_token
         LLMGW_ADMIN_TOKEN = var.admin_token
       }

@@ -14,8 +14,11 @@ placeholders in `PLACEHOLDERS` and the exported values in `exported_value`):
   command line gives it, and its output is the lines of the CLI's output that the page reads;
 - no Docker daemon: the dev stack runs the same llmgw from the virtualenv (`jobs/local/`);
 - nothing can be downloaded: the models file's `hf://` source becomes the stack's tiny GGUF;
-- neither agent serves TLS here: the page's example addresses become the stack's plain-HTTP
-  ones (TLS settings are tested in tests/test_tls_server_names.py);
+- Nomad's API is HTTPS with a certificate of only the names `nomad tls cert create` gives
+  (`localhost` among them), so the page's `https://nomad.example.com:4646` becomes
+  `https://localhost:PORT`, and the reader's shell holds NOMAD_CACERT from the start, as
+  operating.md section 9, which the page sends the reader to in step 3, sets it. Consul's API
+  stays plain HTTP here (its TLS settings are tested in tests/test_tls_server_names.py);
 - no Consul DNS: `llmgw-router.service.consul:8080` is the router the stack registered.
 """
 
@@ -27,6 +30,7 @@ import pty
 import re
 import select
 import shlex
+import ssl
 import subprocess
 import sys
 import time
@@ -144,7 +148,9 @@ class Session:
         install, done with the management token)."""
         addr = self.env.get("NOMAD_ADDR", self.stack.nomad)
         token = token if token is not None else self.env.get("NOMAD_TOKEN", self.management)
-        return httpx.request(method, f"{addr}{path}", headers={"X-Nomad-Token": token}, timeout=30, **kw)
+        headers = {"X-Nomad-Token": token}
+        ca = ssl.create_default_context(cafile=self.env["NOMAD_CACERT"])
+        return httpx.request(method, f"{addr}{path}", headers=headers, timeout=30, verify=ca, **kw)
 
 
 def gpu_node(session: Session) -> dict[str, Any]:
@@ -178,8 +184,7 @@ def exported_value(session: Session, name: str, page_value: str) -> str:
     """What the reader puts where the page shows an example value or `...`."""
     stack = session.stack
     if name == "NOMAD_ADDR":
-        # The page's example is an https:// address; the stand-in serves plain HTTP.
-        assert page_value.startswith("https://"), page_value
+        assert page_value.startswith("https://") and stack.nomad.startswith("https://"), page_value
         return stack.nomad
     if name == "NOMAD_TOKEN":
         # The reader's own token, holding the llmgw-operator policy the step names.
@@ -488,8 +493,9 @@ def write_models_file(session: Session, block: Block) -> None:
 @pytest.fixture(scope="module")
 def acl_stack(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """The cluster as the page finds it at step 1 and leaves it after step 3: Nomad and Consul
-    with ACLs on, llmgw's policies and tokens, its three jobs running, no models."""
-    stack = start_devstack(tmp_path_factory.mktemp("devstack-acl"), "--acl", "--no-models")
+    with ACLs on, Nomad's API over HTTPS, llmgw's policies and tokens, its three jobs running,
+    no models."""
+    stack = start_devstack(tmp_path_factory.mktemp("devstack-acl"), "--acl", "--tls", "--no-models")
     try:
         yield stack
     finally:
@@ -531,6 +537,7 @@ def test_getting_started_from_the_docs_on_a_cluster_with_nomad_and_consul_acls(
     acl_stack: DevStack, tmp_path: Path
 ) -> None:
     session = Session(acl_stack, tmp_path)
+    session.env["NOMAD_CACERT"] = acl_stack.env["NOMAD_CACERT"]
     blocks = page_blocks(PAGE.read_text(encoding="utf-8"))
     for block in blocks:
         if block.lang == "yaml":
