@@ -1,8 +1,9 @@
-"""Certificates for the dev stack's Nomad API over HTTPS (`python -m devstack up --tls`), with
-only the names `nomad tls cert create -server` gives (hashicorp/nomad
-command/tls_cert_create.go `recordPreparation`): the role `server.global.nomad`, `localhost`
-and 127.0.0.1, signed by a CA of their own. So an address the certificate does not name fails
-verification here as on a cluster, and NOMAD_CACERT is what makes it pass.
+"""Certificates for the dev stack's Nomad and Consul APIs over HTTPS (`python -m devstack up
+--tls`), with only the names `nomad tls cert create -server` and `consul tls cert create -server`
+give (hashicorp/nomad command/tls_cert_create.go `recordPreparation`): the role
+(`server.global.nomad`, `server.dc1.consul`), `localhost` and 127.0.0.1, signed by a CA of their
+own. So an address the certificate does not name fails verification here as on a cluster, and
+NOMAD_CACERT or CONSUL_CACERT is what makes it pass.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 NOMAD_SERVER_NAME = "server.global.nomad"
+CONSUL_SERVER_NAME = "server.dc1.consul"  # `consul tls cert create -server`
 
 
 @dataclass(frozen=True)
@@ -40,11 +42,11 @@ def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
 
 
 def write_agent_certificates(directory: Path, role_name: str = NOMAD_SERVER_NAME, days: int = 30) -> AgentTLS:
-    """A CA (`nomad-agent-ca.pem`) and a server certificate and key it signed, in `directory`."""
+    """A CA (`agent-ca.pem`) and a server certificate and key it signed, in `directory`."""
     directory.mkdir(parents=True, exist_ok=True)
     now = dt.datetime.now(dt.UTC)
     ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "Nomad Agent CA (llmgw dev stack)")])
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"{role_name} CA (llmgw dev stack)")])
     ca = (
         x509.CertificateBuilder()
         .subject_name(ca_name)
@@ -72,7 +74,7 @@ def write_agent_certificates(directory: Path, role_name: str = NOMAD_SERVER_NAME
         .add_extension(x509.SubjectAlternativeName(names), critical=False)
         .sign(ca_key, hashes.SHA256())
     )
-    tls = AgentTLS(directory / "nomad-agent-ca.pem", directory / "server.pem", directory / "server-key.pem")
+    tls = AgentTLS(directory / "agent-ca.pem", directory / "server.pem", directory / "server-key.pem")
     tls.ca.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
     tls.cert.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     tls.key.write_bytes(_pem_key(key))
