@@ -18,7 +18,9 @@ class Addresses:
     # and the router's API key.
     nomad_token: str = ""
     consul_token: str = ""
-    nomad_cacert: str = ""  # with --tls: the CA that signed the stand-in's certificate
+    # With --tls: the CAs that signed the stand-in's and Consul's certificates.
+    nomad_cacert: str = ""
+    consul_cacert: str = ""
     admin_token: str = ""
     api_key: str = ""
 
@@ -33,6 +35,8 @@ class Addresses:
         }
         if self.nomad_cacert:
             env["NOMAD_CACERT"] = self.nomad_cacert
+        if self.consul_cacert:
+            env["CONSUL_CACERT"] = self.consul_cacert
         if self.nomad_token:
             env["NOMAD_TOKEN"] = self.nomad_token
         if self.consul_token:

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import httpx
 
+from devstack.agent_tls import verify
+
 REPO = Path(__file__).resolve().parents[1]
 POLICIES_DIR = REPO / "docs" / "policies"
 PROMETHEUS_CONFIG = REPO / "jobs" / "prometheus" / "prometheus.yml"
@@ -75,9 +77,10 @@ def create_token(client: httpx.Client, description: str, policy: str) -> str:
     return str(resp.json()["SecretID"])
 
 
-def set_up(consul_url: str, management: str) -> ConsulTokens:
+def set_up(consul_url: str, management: str, ca: Path | None = None) -> ConsulTokens:
     """Policies and tokens for llmgw on a Consul whose ACLs `management` manages."""
-    with httpx.Client(base_url=consul_url, headers={"X-Consul-Token": management}, timeout=30) as client:
+    headers = {"X-Consul-Token": management}
+    with httpx.Client(base_url=consul_url, headers=headers, timeout=30, verify=verify(ca)) as client:
         for name, rules in consul_policies().items():
             create_policy(client, name, rules)
         create_policy(client, "prometheus-llmgw", prometheus_rules())

@@ -65,13 +65,17 @@ def start_standin(
     acl_bootstrap_token: str | None = None,
     consul_token: str | None = None,
     tls: AgentTLS | None = None,
+    consul_ca: Path | None = None,
     timeout: float = 30.0,
 ) -> tuple[subprocess.Popen[bytes], str]:
     """The stand-in on a free port; with `acl_bootstrap_token`, Nomad's ACLs on and that secret
     as the management token; with `consul_token`, the token it registers services with (a Nomad
     agent's `consul { token }`); with `tls`, its API over HTTPS with that certificate."""
     https = ["--tls-cert", str(tls.cert), "--tls-key", str(tls.key)] if tls else []
-    env = {**os.environ, "CONSUL_HTTP_TOKEN": consul_token} if consul_token else None
+    consul_env = {"CONSUL_HTTP_TOKEN": consul_token} if consul_token else {}
+    if consul_ca:
+        consul_env["CONSUL_CACERT"] = str(consul_ca)
+    env = {**os.environ, **consul_env} if consul_env else None
     acl = ["--acl-bootstrap-token", acl_bootstrap_token] if acl_bootstrap_token else []
     for _ in range(3):  # a free port may be taken before the stand-in binds it
         port = free_port()

@@ -143,7 +143,9 @@ def consul_headers(token: str | None) -> dict[str, str]:
     return {"X-Consul-Token": token} if token else {}
 
 
-def passing_instances(consul_url: str, service: str, token: str | None = None) -> list[str]:
+def passing_instances(
+    consul_url: str, service: str, token: str | None = None, ca: Path | None = None
+) -> list[str]:
     """`http://ADDRESS:PORT` of each passing instance of `service` in Consul."""
     try:
         resp = httpx.get(
@@ -151,6 +153,7 @@ def passing_instances(consul_url: str, service: str, token: str | None = None) -
             params={"passing": "1"},
             headers=consul_headers(token),
             timeout=10,
+            verify=verify(ca),
         )
         entries = resp.json() if resp.status_code == 200 else []
     except (httpx.HTTPError, ValueError):
@@ -187,6 +190,7 @@ def start_as_jobs(
     tokens: StackTokens | None = None,
     gpu_node_pool: str = "gpu",
     nomad_ca: Path | None = None,
+    consul_ca: Path | None = None,
 ) -> Services:
     """With `tokens` (ACLs on) the jobs are registered with the management tokens, as an
     installer does, and each runs on the tokens of llmgw's own policies for it."""
@@ -206,6 +210,7 @@ def start_as_jobs(
         "node_pool": node_pool,
         **secrets,
         **({"nomad_cacert": str(nomad_ca)} if nomad_ca else {}),
+        **({"consul_cacert": str(consul_ca)} if consul_ca else {}),
     }
     router_vars = {
         "venv": str(venv),
@@ -213,6 +218,7 @@ def start_as_jobs(
         "port": router_port,
         "node_pool": node_pool,
         **({"consul_token": tokens.consul.router, "api_keys": tokens.api_key} if tokens else {}),
+        **({"consul_cacert": str(consul_ca)} if consul_ca else {}),
     }
     for job_id, variables in ((WATCHER_JOB, watcher_vars), (ROUTER_JOB, router_vars)):
         hcl = LOCAL_JOBS / f"{job_id}.nomad.hcl"
@@ -234,14 +240,14 @@ def start_as_jobs(
     services = Services(router_url=f"http://127.0.0.1:{router_port}")
     _wait_for(
         f"{watchers} passing llmgw-watcher instances in Consul",
-        lambda: len(passing_instances(consul_url, WATCHER_JOB, consul_installer)) >= watchers,
+        lambda: len(passing_instances(consul_url, WATCHER_JOB, consul_installer, consul_ca)) >= watchers,
         timeout,
         lambda: f"see the job's allocations ({logs_hint})",
     )
-    services.watcher_urls = passing_instances(consul_url, WATCHER_JOB, consul_installer)
+    services.watcher_urls = passing_instances(consul_url, WATCHER_JOB, consul_installer, consul_ca)
     _wait_for(
         "the router",
-        lambda: bool(passing_instances(consul_url, ROUTER_JOB, consul_installer)),
+        lambda: bool(passing_instances(consul_url, ROUTER_JOB, consul_installer, consul_ca)),
         timeout,
         lambda: f"see the job's allocations ({logs_hint})",
     )
@@ -259,7 +265,12 @@ def job_service(job_id: str, variables: Mapping[str, object]) -> dict[str, Any]:
 
 
 def register_service(
-    consul_url: str, service: Mapping[str, Any], instance: str, port: int, token: str | None = None
+    consul_url: str,
+    service: Mapping[str, Any],
+    instance: str,
+    port: int,
+    token: str | None = None,
+    ca: Path | None = None,
 ) -> None:
     """`service` (from job_service) in the local Consul agent for a process on 127.0.0.1:`port`,
     with its HTTP checks, as Nomad registers it for an allocation."""
@@ -281,7 +292,11 @@ def register_service(
         "Checks": checks,
     }
     resp = httpx.put(
-        f"{consul_url}/v1/agent/service/register", json=body, headers=consul_headers(token), timeout=10
+        f"{consul_url}/v1/agent/service/register",
+        json=body,
+        headers=consul_headers(token),
+        timeout=10,
+        verify=verify(ca),
     )
     if resp.status_code != 200:
         raise ServiceError(f"registering {body['ID']} in Consul: {resp.status_code} {resp.text.strip()}")
@@ -300,11 +315,14 @@ def start_as_processes(
     timeout: float = 120.0,
     tokens: StackTokens | None = None,
     nomad_ca: Path | None = None,
+    consul_ca: Path | None = None,
 ) -> Services:
     llmgw = str(venv / "bin" / "llmgw")
     env = {**os.environ, "NOMAD_ADDR": nomad_url, "CONSUL_HTTP_ADDR": consul_url}
     if nomad_ca:
         env["NOMAD_CACERT"] = str(nomad_ca)
+    if consul_ca:
+        env["CONSUL_CACERT"] = str(consul_ca)
     # The router holds no Nomad token; the watchers get theirs, as their job would give them.
     watcher_env = env
     router_env = env
@@ -341,7 +359,7 @@ def start_as_processes(
         services.children.append(child)
         started.append((child, f"http://127.0.0.1:{port}/healthz"))
         services.watcher_urls.append(f"http://127.0.0.1:{port}")
-        register_service(consul_url, watcher_service, name, port, agent_token)
+        register_service(consul_url, watcher_service, name, port, agent_token, consul_ca)
     proc = processes.spawn(
         "router",
         [llmgw, "router", "--listen", f"127.0.0.1:{router_port}"],
@@ -351,7 +369,7 @@ def start_as_processes(
     router = processes.Child("router", proc.pid, str(logs_dir / "router.log"))
     services.children.append(router)
     started.append((router, f"{services.router_url}/healthz"))
-    register_service(consul_url, router_service, "router", router_port, agent_token)
+    register_service(consul_url, router_service, "router", router_port, agent_token, consul_ca)
     say(
         f"started {watchers} watchers and a router as child processes (logs in {logs_dir}), "
         f"registered in Consul as {WATCHER_JOB} and {ROUTER_JOB} with their jobs' tags and checks"

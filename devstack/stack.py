@@ -93,6 +93,7 @@ class Stack:
         self.tokens: nomad_acls.StackTokens | None = None
         self.consul_tokens: consul_acls.ConsulTokens | None = None
         self.nomad_ca: Path | None = None
+        self.consul_ca: Path | None = None
 
     @property
     def management_token(self) -> str | None:
@@ -152,13 +153,22 @@ class Stack:
 
         self.say("starting a Consul dev agent ...")
         master = consul_acls.new_management_token() if o.acl else None
-        self.consul = ConsulAgent(log_dir=self.logs, die_with_parent=True, acl_master_token=master).start()
+        consul_tls = None
+        if o.tls:
+            consul_tls = agent_tls.write_agent_certificates(
+                self.dir / "tls" / "consul", role_name=agent_tls.CONSUL_SERVER_NAME
+            )
+            self.consul_ca = consul_tls.ca
+            self.addr.consul_cacert = str(consul_tls.ca)
+        self.consul = ConsulAgent(
+            log_dir=self.logs, die_with_parent=True, acl_master_token=master, tls=consul_tls
+        ).start()
         assert self.consul.pid is not None
         self._track("consul", self.consul.pid, self.consul.log_path)
         self.addr.consul = self.consul.url
         self.say(f"Consul {self.consul.url} (UI {self.consul.url}/ui/)")
         if master:
-            self.consul_tokens = consul_acls.set_up(self.consul.url, master)
+            self.consul_tokens = consul_acls.set_up(self.consul.url, master, self.consul_ca)
             self.addr.consul_token = self.consul_tokens.operator
             self.save()
             self.say(
@@ -191,6 +201,7 @@ class Stack:
             state_dir=self.dir / "prometheus",
             consul_url=self.consul.url,
             consul_token=self.consul_tokens.prometheus if self.consul_tokens else None,
+            consul_ca=self.consul_ca,
             log=self.logs / "prometheus.log",
             alert_for=o.alert_for,
         )
@@ -241,6 +252,7 @@ class Stack:
                 acl_bootstrap_token=management,
                 consul_token=self.consul_tokens.management if self.consul_tokens else None,
                 tls=tls,
+                consul_ca=self.consul_ca,
             )
         self.nomad_proc = proc
         self._track("nomad", proc.pid, log)
@@ -272,6 +284,7 @@ class Stack:
             "say": self.say,
             "tokens": self.tokens,
             "nomad_ca": self.nomad_ca,
+            "consul_ca": self.consul_ca,
         }
         if o.services == "process":
             self.services = services.start_as_processes(logs_dir=self.logs, **common)

@@ -17,6 +17,12 @@ variable "port" {
   default     = 8080
 }
 
+variable "consul_cacert" {
+  type        = string
+  description = "CONSUL_CACERT: the CA of Consul's HTTPS certificate (python -m devstack up --tls); empty: the system's CAs."
+  default     = ""
+}
+
 variable "consul_token" {
   type        = string
   description = "CONSUL_HTTP_TOKEN: the router's token where Consul's ACLs are on (python -m devstack up --acl); empty: none."
@@ -74,6 +80,7 @@ job "llmgw-router" {
       env {
         CONSUL_HTTP_ADDR  = var.consul_addr
         CONSUL_HTTP_TOKEN = var.consul_token
+        CONSUL_CACERT     = var.consul_cacert
         LLMGW_API_KEYS    = var.api_keys
       }
 

@@ -47,6 +47,12 @@ variable "nomad_cacert" {
   default     = ""
 }
 
+variable "consul_cacert" {
+  type        = string
+  description = "CONSUL_CACERT: the CA of Consul's HTTPS certificate (python -m devstack up --tls); empty: the system's CAs."
+  default     = ""
+}
+
 variable "consul_token" {
   type        = string
   description = "CONSUL_HTTP_TOKEN: the watcher's token where Consul's ACLs are on (python -m devstack up --acl); empty: none."
@@ -105,6 +111,7 @@ job "llmgw-watcher" {
         NOMAD_TOKEN       = var.nomad_token
         NOMAD_CACERT      = var.nomad_cacert
         CONSUL_HTTP_TOKEN = var.consul_token
+        CONSUL_CACERT     = var.consul_cacert
         LLMGW_ADMIN_TOKEN = var.admin_token
       }
 

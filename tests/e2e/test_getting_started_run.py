@@ -14,11 +14,12 @@ placeholders in `PLACEHOLDERS` and the exported values in `exported_value`):
   command line gives it, and its output is the lines of the CLI's output that the page reads;
 - no Docker daemon: the dev stack runs the same llmgw from the virtualenv (`jobs/local/`);
 - nothing can be downloaded: the models file's `hf://` source becomes the stack's tiny GGUF;
-- Nomad's API is HTTPS with a certificate of only the names `nomad tls cert create` gives
-  (`localhost` among them), so the page's `https://nomad.example.com:4646` becomes
-  `https://localhost:PORT`, and the reader's shell holds NOMAD_CACERT from the start, as
-  operating.md section 9, which the page sends the reader to in step 3, sets it. Consul's API
-  stays plain HTTP here (its TLS settings are tested in tests/test_tls_server_names.py);
+- Nomad's and Consul's APIs are HTTPS with certificates of only the names `nomad tls cert
+  create` and `consul tls cert create` give (`localhost`, 127.0.0.1 among them), so the page's
+  `https://nomad.example.com:4646` becomes `https://localhost:PORT`, CONSUL_HTTP_ADDR the
+  stack's `https://127.0.0.1:PORT`, and the reader's shell holds NOMAD_CACERT and CONSUL_CACERT
+  from the start, as operating.md section 9, which the page sends the reader to in step 3,
+  sets them;
 - no Consul DNS: `llmgw-router.service.consul:8080` is the router the stack registered.
 """
 
@@ -92,6 +93,7 @@ def watcher_address(session: Session) -> str:
         params={"passing": "1"},
         headers={"X-Consul-Token": session.stack.info["consul_management_token"]},
         timeout=10,
+        verify=ssl.create_default_context(cafile=session.env["CONSUL_CACERT"]),
     ).json()
     service = entries[0]["Service"]
     return f"{service['Address'] or '127.0.0.1'}:{service['Port']}"
@@ -116,6 +118,7 @@ def exported_value(session: Session, name: str, page_value: str) -> str:
         # The reader's own token, holding the llmgw-operator policy the step names.
         return stack.env["NOMAD_TOKEN"]
     if name == "CONSUL_HTTP_ADDR":
+        assert stack.consul.startswith("https://"), stack.consul
         return stack.consul
     if name == "CONSUL_HTTP_TOKEN":
         # The reader's own, holding the llmgw-operator Consul policy.
@@ -388,8 +391,8 @@ def write_models_file(session: Session, block: Block) -> None:
 @pytest.fixture(scope="module")
 def acl_stack(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """The cluster as the page finds it at step 1 and leaves it after step 3: Nomad and Consul
-    with ACLs on, Nomad's API over HTTPS, llmgw's policies and tokens, its three jobs running,
-    no models."""
+    with ACLs on and their APIs over HTTPS, llmgw's policies and tokens, its three jobs
+    running, no models."""
     stack = start_devstack(tmp_path_factory.mktemp("devstack-acl"), "--acl", "--tls", "--no-models")
     try:
         yield stack
@@ -433,6 +436,7 @@ def test_getting_started_from_the_docs_on_a_cluster_with_nomad_and_consul_acls(
 ) -> None:
     session = Session(acl_stack, tmp_path)
     session.env["NOMAD_CACERT"] = acl_stack.env["NOMAD_CACERT"]
+    session.env["CONSUL_CACERT"] = acl_stack.env["CONSUL_CACERT"]
     blocks = page_blocks(PAGE.read_text(encoding="utf-8"))
     for block in blocks:
         if block.lang == "yaml":
