@@ -1,6 +1,7 @@
 """`python -m devstack up|down`: the single-machine llmgw stack for demos, development and tests.
 
     python -m devstack up [--tiny] [--state-dir DIR] [--services nomad|process] [--no-tour] [--alert-for 20s]
+                          [--acl] [--tls] [--no-models]
     python -m devstack down [--state-dir DIR]
 
 `up` stays in the foreground until Ctrl-C (or `down` from another shell) and then stops every
@@ -66,6 +67,26 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     up.add_argument("--wait", type=float, default=600.0, help="seconds to wait for the demo models")
     up.add_argument("--no-tour", action="store_true", help="skip the tour (the tests do)")
     up.add_argument(
+        "--acl",
+        action="store_true",
+        default=os.environ.get("LLMGW_DEVSTACK_ACL", "") not in ("", "0", "false"),
+        help="Nomad's and Consul's ACLs on (the stand-in's --acl-bootstrap-token, Consul deny by default): "
+        "llmgw runs on the tokens of docs/policies/llmgw-*.hcl, and NOMAD_TOKEN and CONSUL_HTTP_TOKEN "
+        "are the operator's (env LLMGW_DEVSTACK_ACL=1)",
+    )
+    up.add_argument(
+        "--tls",
+        action="store_true",
+        default=os.environ.get("LLMGW_DEVSTACK_TLS", "") not in ("", "0", "false"),
+        help="Nomad's API over HTTPS with a certificate of only the names 'nomad tls cert create' gives; "
+        "NOMAD_CACERT names its CA (env LLMGW_DEVSTACK_TLS=1)",
+    )
+    up.add_argument(
+        "--no-models",
+        action="store_true",
+        help="apply no models and wait for none: the cluster as docs/getting-started.md has it before step 4",
+    )
+    up.add_argument(
         "--alert-for",
         type=_duration,
         default=stack.prom.DEFAULT_ALERT_FOR,
@@ -93,6 +114,9 @@ def main(argv: list[str] | None = None) -> int:
         wait_timeout=args.wait,
         tour=not args.no_tour,
         alert_for=args.alert_for,
+        acl=args.acl,
+        apply_models=not args.no_models,
+        tls=args.tls,
     )
     return stack.run_up(options)
 

@@ -16,6 +16,7 @@ from types import TracebackType
 import httpx
 
 from devstack import lifetime, processes
+from devstack.agent_tls import AgentTLS, verify
 from devstack.ports import free_ports
 
 DEFAULT_CACHED_BIN = Path.home() / ".cache" / "llmgw" / "consul" / "usr" / "bin" / "consul"
@@ -49,8 +50,14 @@ class ConsulAgent:
         die_with_parent: bool = False,
         start_timeout: float = 30.0,
         extra_args: tuple[str, ...] = (),
+        acl_master_token: str | None = None,
+        tls: AgentTLS | None = None,
     ) -> None:
         self.host = host
+        # ACLs on, deny by default, with this secret as the management (master) token.
+        self.acl_master_token = acl_master_token
+        # The HTTP API over HTTPS only, with this certificate (the port stays `http_port`).
+        self.tls = tls
         # More agent flags, e.g. `-hcl` TLS settings for a test that needs HTTPS.
         self.extra_args = extra_args
         self.binary = binary or find_consul_binary()
@@ -68,7 +75,7 @@ class ConsulAgent:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.http_port}"
+        return f"{'https' if self.tls else 'http'}://{self.host}:{self.http_port}"
 
     @property
     def pid(self) -> int | None:
@@ -90,7 +97,7 @@ class ConsulAgent:
             "-client",
             self.host,
             "-http-port",
-            str(self.http_port),
+            "-1" if self.tls else str(self.http_port),
             "-dns-port",
             "-1",
             "-grpc-port",
@@ -101,8 +108,36 @@ class ConsulAgent:
             str(self.serf_wan_port),
             "-server-port",
             str(self.server_port),
+            *self.acl_args(),
+            *self.tls_args(),
             *self.extra_args,
         ]
+
+    def tls_args(self) -> list[str]:
+        if self.tls is None:
+            return []
+        return [
+            "-hcl",
+            f"ports {{ https = {self.http_port} }}",
+            "-hcl",
+            f'cert_file = "{self.tls.cert}"',
+            "-hcl",
+            f'key_file = "{self.tls.key}"',
+            "-hcl",
+            f'ca_file = "{self.tls.ca}"',
+        ]
+
+    def acl_args(self) -> list[str]:
+        """Consul 1.8's ACLs as a cluster with `default_policy = "deny"` has them, and the
+        stricter KV list policy (a recursive read needs `list`), as the operating guide asks."""
+        if not self.acl_master_token:
+            return []
+        token = self.acl_master_token
+        hcl = (
+            'acl {\n enabled = true\n default_policy = "deny"\n enable_key_list_policy = true\n'
+            f' tokens {{\n  master = "{token}"\n  agent = "{token}"\n }}\n}}\n'
+        )
+        return ["-hcl", hcl]
 
     def start(self, attempts: int = 3) -> ConsulAgent:
         """Start on fresh free ports, trying new ones if another process took one first."""
@@ -144,7 +179,7 @@ class ConsulAgent:
 
     def _wait_for_leader(self) -> None:
         deadline = time.monotonic() + self.start_timeout
-        with httpx.Client(timeout=2.0) as client:
+        with httpx.Client(timeout=2.0, verify=verify(self.tls.ca if self.tls else None)) as client:
             while time.monotonic() < deadline:
                 if self._proc is None or self._proc.poll() is not None:
                     code = self._proc.returncode if self._proc else None
@@ -170,7 +205,8 @@ class ConsulAgent:
             return False
         # Sessions are refused until the agent's own node is in the catalog with a passing
         # serfHealth check, which lands a moment after the election.
-        checks = client.get(f"{self.url}/v1/health/node/{self.node_name}")
+        headers = {"X-Consul-Token": self.acl_master_token} if self.acl_master_token else {}
+        checks = client.get(f"{self.url}/v1/health/node/{self.node_name}", headers=headers)
         if checks.status_code != 200:
             return False
         return any(c.get("CheckID") == "serfHealth" and c.get("Status") == "passing" for c in checks.json())

@@ -15,6 +15,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from devstack.gguf_tiny import write_tiny_gguf
 from nomad_driver.spec import parse_models
@@ -114,3 +115,34 @@ def write_effective_models(out: Path, models_dir: Path, template: Path = TEMPLAT
     )
     out.write_text(header + text, encoding="utf-8")
     return out
+
+
+# The demo's models and what each should come to; `up` waits for all of them.
+EXPECTED = {
+    "gemma-3-270m": "serving",
+    "gemma-3-270m-split": "serving",
+    "gemma-3-270m-on-demand": "idle",
+    "kev-0.5b": "parked",
+    "phi-4": "unplaceable",
+}
+
+
+def describe(model: dict[str, Any]) -> str:
+    """One line per change: the watcher's own reason, which already names the state."""
+    reason = str(model.get("reason") or "")
+    line = reason or str(model.get("state", "?"))
+    return line if len(line) <= 200 else line[:197] + "..."
+
+
+def reached(model: dict[str, Any] | None, want: str) -> bool:
+    if model is None:
+        return False
+    if want == "serving":
+        return int(model.get("ready") or 0) >= 1
+    if want == "idle":
+        return model.get("state") == "idle"
+    if want == "parked":
+        return bool(model.get("parked"))
+    if want == "unplaceable":
+        return bool(model.get("unplaceable"))
+    return False

@@ -8,6 +8,7 @@ with it the demo's GPU models are placed only where Nomad's nvidia plugin finds 
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import httpx
 
+from devstack.agent_tls import AgentTLS, verify
 from devstack.fleet import ENGINE_VERSION
 from devstack.ports import free_port, free_ports
 from devstack.processes import spawn as _spawn_child
@@ -29,13 +31,15 @@ class NomadStartError(RuntimeError):
     """Nomad (real or the stand-in) did not start; the message names its log."""
 
 
-def _wait_leader(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: float) -> bool:
+def _wait_leader(
+    url: str, proc: subprocess.Popen[bytes], log: Path, timeout: float, ca: Path | None = None
+) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             return False
         try:
-            resp = httpx.get(f"{url}/v1/status/leader", timeout=2)
+            resp = httpx.get(f"{url}/v1/status/leader", timeout=2, verify=verify(ca))
             if resp.status_code == 200 and resp.json():
                 return True
         except (httpx.HTTPError, ValueError):
@@ -52,8 +56,27 @@ def _tail(log: Path, lines: int = 20) -> str:
 
 
 def start_standin(
-    *, nodes: Path, consul_url: str, data_dir: Path, log: Path, clock_speed: float, timeout: float = 30.0
+    *,
+    nodes: Path,
+    consul_url: str,
+    data_dir: Path,
+    log: Path,
+    clock_speed: float,
+    acl_bootstrap_token: str | None = None,
+    consul_token: str | None = None,
+    tls: AgentTLS | None = None,
+    consul_ca: Path | None = None,
+    timeout: float = 30.0,
 ) -> tuple[subprocess.Popen[bytes], str]:
+    """The stand-in on a free port; with `acl_bootstrap_token`, Nomad's ACLs on and that secret
+    as the management token; with `consul_token`, the token it registers services with (a Nomad
+    agent's `consul { token }`); with `tls`, its API over HTTPS with that certificate."""
+    https = ["--tls-cert", str(tls.cert), "--tls-key", str(tls.key)] if tls else []
+    consul_env = {"CONSUL_HTTP_TOKEN": consul_token} if consul_token else {}
+    if consul_ca:
+        consul_env["CONSUL_CACERT"] = str(consul_ca)
+    env = {**os.environ, **consul_env} if consul_env else None
+    acl = ["--acl-bootstrap-token", acl_bootstrap_token] if acl_bootstrap_token else []
     for _ in range(3):  # a free port may be taken before the stand-in binds it
         port = free_port()
         argv = [
@@ -70,10 +93,13 @@ def start_standin(
             str(data_dir),
             "--clock-speed",
             str(clock_speed),
+            *acl,
+            *https,
         ]
-        proc = _spawn_child("nomad stand-in", argv, log, cwd=REPO)
-        url = f"http://127.0.0.1:{port}"
-        if _wait_leader(url, proc, log, timeout):
+        proc = _spawn_child("nomad stand-in", argv, log, cwd=REPO, env=env)
+        # `localhost` rather than 127.0.0.1: a name `nomad tls cert create` puts in the certificate.
+        url = f"https://localhost:{port}" if tls else f"http://127.0.0.1:{port}"
+        if _wait_leader(url, proc, log, timeout, tls.ca if tls else None):
             return proc, url
         proc.wait()
         if "cannot listen" not in _tail(log):

@@ -8,33 +8,28 @@ counts it as start failures or re-registers jobs that are being stopped.
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import signal
 import subprocess
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
 import httpx
 
-from devstack import demo_models, fleet, nomad_agent, processes, services
+from devstack import agent_tls, consul_acls, demo_models, fleet, nomad_acls, nomad_agent, processes, services
 from devstack import prometheus as prom
+from devstack.addresses import Addresses
 from devstack.consul_agent import ConsulAgent
 from devstack.ports import free_port
+from devstack.tour import show_tour
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_STATE_DIR = REPO / ".devstack"
-# The demo's models and what each should come to; `up` waits for all of them.
-EXPECTED = {
-    "gemma-3-270m": "serving",
-    "gemma-3-270m-split": "serving",
-    "gemma-3-270m-on-demand": "idle",
-    "kev-0.5b": "parked",
-    "phi-4": "unplaceable",
-}
 
 Say = Callable[[str], None]
 
@@ -69,26 +64,12 @@ class UpOptions:
     # The alert rules' `for:` durations are cut to this in the dev stack's copy, so that the
     # demo's alerts fire within a minute (the shipped rules wait up to ten).
     alert_for: str = prom.DEFAULT_ALERT_FOR
-
-
-@dataclass
-class Addresses:
-    consul: str = ""
-    nomad: str = ""
-    router: str = ""
-    admin: str = ""
-    prometheus: str = ""
-    watchers: list[str] = field(default_factory=list)
-
-    def env(self) -> dict[str, str]:
-        return {
-            "NOMAD_ADDR": self.nomad,
-            "CONSUL_HTTP_ADDR": self.consul,
-            "LLMGW_ADMIN_ADDR": self.admin,
-            "LLMGW_ROUTER_URL": self.router,
-            "OPENAI_BASE_URL": f"{self.router}/v1",
-            "PROMETHEUS_ADDR": self.prometheus,
-        }
+    # Nomad's ACLs on (the stand-in's --acl-bootstrap-token), llmgw on its own policies' tokens.
+    acl: bool = False
+    # False: stop where an operator stands before writing a models file (getting-started step 4).
+    apply_models: bool = True
+    # Nomad's API over HTTPS, with a certificate of only the names `nomad tls cert create` gives.
+    tls: bool = False
 
 
 class Stack:
@@ -109,6 +90,15 @@ class Stack:
         self.nomad_is_standin = True
         self.services = services.Services()
         self.gemma_is_real = False
+        self.tokens: nomad_acls.StackTokens | None = None
+        self.consul_tokens: consul_acls.ConsulTokens | None = None
+        self.nomad_ca: Path | None = None
+        self.consul_ca: Path | None = None
+
+    @property
+    def management_token(self) -> str | None:
+        """What the stack's own Nomad calls (registering, stopping) carry: an installer's token."""
+        return self.tokens.management if self.tokens else None
 
     # ----- up -------------------------------------------------------------------------------
 
@@ -140,6 +130,10 @@ class Stack:
             "gemma_is_real": self.gemma_is_real,
             "services": self.options.services,
             "nomad": "stand-in" if self.nomad_is_standin else "nomad agent -dev",
+            "nomad_acl": self.options.acl,
+            # The installer's token: Variables and ACLs need it (the operator's token reads neither).
+            "nomad_management_token": self.management_token or "",
+            "consul_management_token": self.consul_tokens.management if self.consul_tokens else "",
         }
         self.state.save(self.dir)
 
@@ -158,19 +152,39 @@ class Stack:
         self.say(f"models file: {self.models_file} (from {o.template})")
 
         self.say("starting a Consul dev agent ...")
-        self.consul = ConsulAgent(log_dir=self.logs, die_with_parent=True).start()
+        master = consul_acls.new_management_token() if o.acl else None
+        consul_tls = None
+        if o.tls:
+            consul_tls = agent_tls.write_agent_certificates(
+                self.dir / "tls" / "consul", role_name=agent_tls.CONSUL_SERVER_NAME
+            )
+            self.consul_ca = consul_tls.ca
+            self.addr.consul_cacert = str(consul_tls.ca)
+        self.consul = ConsulAgent(
+            log_dir=self.logs, die_with_parent=True, acl_master_token=master, tls=consul_tls
+        ).start()
         assert self.consul.pid is not None
         self._track("consul", self.consul.pid, self.consul.log_path)
         self.addr.consul = self.consul.url
         self.say(f"Consul {self.consul.url} (UI {self.consul.url}/ui/)")
+        if master:
+            self.consul_tokens = consul_acls.set_up(self.consul.url, master, self.consul_ca)
+            self.addr.consul_token = self.consul_tokens.operator
+            self.save()
+            self.say(
+                "Consul ACLs on (deny by default): policies from docs/policies/*.consul.hcl, a token each "
+                "for the watcher, the router, the operator (CONSUL_HTTP_TOKEN) and Prometheus; the "
+                "management token is in state.json (info.consul_management_token)"
+            )
 
         self._start_prometheus()
         self._start_nomad()
         self._start_services()
-        self._apply()
-        from devstack.tour import write_env_file
-
-        write_env_file(self)
+        if o.apply_models:
+            self._apply()
+        else:
+            self.say(f"no models applied (--no-models); apply them with: llmgw apply {self.models_file}")
+        self.write_env_file()
         self.save()
 
     def _start_prometheus(self) -> None:
@@ -186,6 +200,8 @@ class Stack:
         self.prometheus = prom.start(
             state_dir=self.dir / "prometheus",
             consul_url=self.consul.url,
+            consul_token=self.consul_tokens.prometheus if self.consul_tokens else None,
+            consul_ca=self.consul_ca,
             log=self.logs / "prometheus.log",
             alert_for=o.alert_for,
         )
@@ -202,6 +218,14 @@ class Stack:
         binary = nomad_agent.find_nomad() if o.nomad in ("auto", "real") else None
         if o.nomad == "real" and binary is None:
             raise StackError("--nomad real: no 'nomad' binary on PATH")
+        if (o.acl or o.tls) and binary:
+            # A real agent would need `acl { enabled = true }` and `nomad acl bootstrap`; not
+            # written yet, and a stack that silently ran without ACLs would prove nothing.
+            raise StackError("--acl and --tls run with the Nomad stand-in only for now: pass --nomad standin")
+        management = nomad_acls.new_management_token() if o.acl else None
+        tls = agent_tls.write_agent_certificates(self.dir / "tls" / "nomad") if o.tls else None
+        self.nomad_ca = tls.ca if tls else None
+        self.addr.nomad_cacert = str(tls.ca) if tls else ""
         log = self.logs / "nomad.log"
         assert self.consul is not None
         if binary:
@@ -225,11 +249,27 @@ class Stack:
                 data_dir=self.dir / "nomad",
                 log=log,
                 clock_speed=o.clock_speed,
+                acl_bootstrap_token=management,
+                consul_token=self.consul_tokens.management if self.consul_tokens else None,
+                tls=tls,
+                consul_ca=self.consul_ca,
             )
         self.nomad_proc = proc
         self._track("nomad", proc.pid, log)
         self.addr.nomad = url
         self.say(f"Nomad {url}")
+        if management:
+            assert self.consul_tokens is not None
+            self.tokens = nomad_acls.set_up(url, management, self.consul_tokens, self.nomad_ca)
+            self.addr.nomad_token = self.tokens.operator
+            self.addr.admin_token = self.tokens.admin
+            self.addr.api_key = self.tokens.api_key
+            self.save()
+            self.say(
+                f"Nomad ACLs on: policies from {nomad_acls.POLICIES_DIR.relative_to(REPO)}, a token each for "
+                f"the watcher, the node agent and the operator (NOMAD_TOKEN, llmgw-operator); the management "
+                f"token is in {self.dir / processes.STATE_FILE} (info.nomad_management_token)"
+            )
 
     def _start_services(self) -> None:
         o = self.options
@@ -242,6 +282,9 @@ class Stack:
             "max_start_failures": o.max_start_failures,
             "router_port": free_port(),
             "say": self.say,
+            "tokens": self.tokens,
+            "nomad_ca": self.nomad_ca,
+            "consul_ca": self.consul_ca,
         }
         if o.services == "process":
             self.services = services.start_as_processes(logs_dir=self.logs, **common)
@@ -301,12 +344,16 @@ class Stack:
     def expected(self) -> dict[str, str]:
         """What each demo model should come to here: a real `nomad agent -dev` is one node with
         no fabric, so the two-node replica can only be unplaceable there."""
+        if not self.options.apply_models:
+            return {}
         if self.nomad_is_standin:
-            return dict(EXPECTED)
-        return {**EXPECTED, "gemma-3-270m-split": "unplaceable"}
+            return dict(demo_models.EXPECTED)
+        return {**demo_models.EXPECTED, "gemma-3-270m-split": "unplaceable"}
 
-    def wait_for_demo(self, expected: dict[str, str] = EXPECTED) -> dict[str, dict[str, Any]]:
+    def wait_for_demo(self, expected: dict[str, str] = demo_models.EXPECTED) -> dict[str, dict[str, Any]]:
         """Print each model's changes until every one is where the demo wants it."""
+        if not expected:
+            return {}
         self.say(
             "waiting for the models: Gemma to serve (also split over two nodes), kev-0.5b to be parked, "
             "phi-4 to be unplaceable"
@@ -317,11 +364,11 @@ class Stack:
         while True:
             models = self.admin_models()
             for name, model in sorted(models.items()):
-                line = describe(model)
+                line = demo_models.describe(model)
                 if shown.get(name) != line:
                     shown[name] = line
                     self.say(f"  {name}: {line}")
-            missing = [n for n, want in expected.items() if not reached(models.get(n), want)]
+            missing = [n for n, want in expected.items() if not demo_models.reached(models.get(n), want)]
             if not missing:
                 return models
             if time.monotonic() > deadline:
@@ -339,26 +386,33 @@ class Stack:
             return {}
         return {str(m.get("model")): m for m in body.get("models", []) if isinstance(m, dict)}
 
+    def write_env_file(self) -> None:
+        """`.devstack/env`, for `source .devstack/env` in another shell (the venv's bin/ too)."""
+        lines = [f"export {k}={shlex.quote(v)}" for k, v in self.addr.env().items()]
+        lines.append(f'export PATH={shlex.quote(str(services.venv_root() / "bin"))}:"$PATH"')
+        (self.dir / "env").write_text("\n".join(lines) + "\n")
+
     # ----- down -----------------------------------------------------------------------------
 
     def down(self) -> None:
         nomad_url = self.addr.nomad
+        token = self.management_token
         if nomad_url and self.nomad_proc is not None and self.nomad_proc.poll() is None:
             self.say("stopping the watchers ...")
             if self.options.services == "nomad":
                 # Watchers first: with them gone nothing re-registers a job being stopped.
-                services.stop_job(nomad_url, services.WATCHER_JOB)
-                services.wait_allocs_gone(nomad_url, services.WATCHER_JOB, 40)
+                services.stop_job(nomad_url, services.WATCHER_JOB, token, self.nomad_ca)
+                services.wait_allocs_gone(nomad_url, services.WATCHER_JOB, 40, token, self.nomad_ca)
             else:
                 for child in self.services.children:
                     if child.name.startswith("watcher"):
                         processes.stop_group(child.pid)
             self.say("stopping the router and the models' jobs ...")
-            for job_id in services.job_ids(nomad_url):
-                services.stop_job(nomad_url, job_id)
+            for job_id in services.job_ids(nomad_url, token, self.nomad_ca):
+                services.stop_job(nomad_url, job_id, token, self.nomad_ca)
             # Engines get their kill_timeout to exit; a real Nomad agent would leave them
             # running if it stopped first.
-            services.wait_allocs_gone(nomad_url, None, 45)
+            services.wait_allocs_gone(nomad_url, None, 45, token, self.nomad_ca)
         if self.state.children:
             self.say(f"stopping {', '.join(c.name for c in reversed(self.state.children))} ...")
         stop_children(self.state, self.say)
@@ -377,27 +431,6 @@ def stop_children(state: processes.StackState, say: Say) -> None:
             say(f"{child.name} (pid {child.pid}) did not stop, even on SIGKILL")
 
 
-def describe(model: dict[str, Any]) -> str:
-    """One line per change: the watcher's own reason, which already names the state."""
-    reason = str(model.get("reason") or "")
-    line = reason or str(model.get("state", "?"))
-    return line if len(line) <= 200 else line[:197] + "..."
-
-
-def reached(model: dict[str, Any] | None, want: str) -> bool:
-    if model is None:
-        return False
-    if want == "serving":
-        return int(model.get("ready") or 0) >= 1
-    if want == "idle":
-        return model.get("state") == "idle"
-    if want == "parked":
-        return bool(model.get("parked"))
-    if want == "unplaceable":
-        return bool(model.get("unplaceable"))
-    return False
-
-
 def run_up(options: UpOptions, say: Say = say) -> int:
     """Bring the stack up, show the tour, stay until Ctrl-C or `devstack down`, stop it all."""
 
@@ -411,9 +444,7 @@ def run_up(options: UpOptions, say: Say = say) -> int:
     try:
         stack.up()
         models = stack.wait_for_demo(stack.expected())
-        if options.tour:
-            from devstack.tour import show_tour
-
+        if options.tour and options.apply_models:
             show_tour(stack, models)
         stack.state.ready = True
         stack.save()
@@ -433,6 +464,8 @@ def run_up(options: UpOptions, say: Say = say) -> int:
         services.ServiceError,
         nomad_agent.NomadStartError,
         prom.PrometheusError,
+        nomad_acls.AclSetupError,
+        consul_acls.ConsulAclError,
         RuntimeError,
         OSError,
         ValueError,

@@ -12,15 +12,33 @@ import shlex
 import shutil
 import subprocess
 import time
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any, Protocol
 
 import httpx
 import openai
 
 from devstack import prometheus as prom
+from devstack.addresses import Addresses
+from devstack.services import venv_root
 
-if TYPE_CHECKING:
-    from devstack.stack import Stack
+
+class TourStack(Protocol):
+    """What the tour reads of the running stack (`stack.Stack` is one)."""
+
+    @property
+    def addr(self) -> Addresses: ...
+    @property
+    def gemma_is_real(self) -> bool: ...
+    @property
+    def nomad_is_standin(self) -> bool: ...
+    @property
+    def dir(self) -> Path: ...
+    @property
+    def logs(self) -> Path: ...
+    @property
+    def models_file(self) -> Path: ...
+
 
 PROMPT = "The three primary colours are"
 # A base model continues text; it has not learnt to follow a chat turn, so the curl asks for a
@@ -44,14 +62,18 @@ def _one_line(text: str) -> str:
 SPLIT = "gemma-3-270m-split"
 
 
-def openai_step(router: str, model: str = "gemma-3-270m") -> str:
-    client = openai.OpenAI(base_url=f"{router}/v1", api_key="devstack", max_retries=5, timeout=120)
+# The router asks for a key only where the stack gave it some (--acl); any key does otherwise.
+ANY_KEY = "devstack"
+
+
+def openai_step(router: str, model: str = "gemma-3-270m", api_key: str = "") -> str:
+    client = openai.OpenAI(base_url=f"{router}/v1", api_key=api_key or ANY_KEY, max_retries=5, timeout=120)
     reply = client.completions.create(model=model, prompt=PROMPT, max_tokens=32, temperature=0.7)
     return reply.choices[0].text
 
 
-def refusal_step(router: str, model: str) -> str:
-    client = openai.OpenAI(base_url=f"{router}/v1", api_key="devstack", max_retries=0, timeout=60)
+def refusal_step(router: str, model: str, api_key: str = "") -> str:
+    client = openai.OpenAI(base_url=f"{router}/v1", api_key=api_key or ANY_KEY, max_retries=0, timeout=60)
     try:
         client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": "hello"}], max_tokens=8
@@ -66,12 +88,14 @@ def refusal_step(router: str, model: str) -> str:
     return "answered (not refused)"
 
 
-def curl_command(router: str) -> list[str]:
+def curl_command(router: str, api_key: str = "") -> list[str]:
     body = {"model": "gemma-3-270m", "prompt": STORY, "max_tokens": 40}
+    auth = ["-H", f"Authorization: Bearer {api_key}"] if api_key else []
     return [
         "curl",
         "-s",
         f"{router}/v1/completions",
+        *auth,
         "-H",
         "Content-Type: application/json",
         "-d",
@@ -79,8 +103,8 @@ def curl_command(router: str) -> list[str]:
     ]
 
 
-def curl_step(router: str) -> str:
-    argv = curl_command(router)
+def curl_step(router: str, api_key: str = "") -> str:
+    argv = curl_command(router, api_key)
     if shutil.which("curl") is None:
         return "(curl is not installed here)"
     out = subprocess.run(argv, capture_output=True, text=True, timeout=180)
@@ -120,16 +144,14 @@ def alerts_step(
     return "\n".join(lines) or f"(none firing after {wait_s:.0f}s; see {prometheus}/classic/alerts)"
 
 
-def ctl_step(stack: Stack, *args: str) -> str:
-    from devstack.services import venv_root
-
+def ctl_step(stack: TourStack, *args: str) -> str:
     llmgw = str(venv_root() / "bin" / "llmgw")
     env = {**os.environ, **stack.addr.env(), "COLUMNS": "120", "NO_COLOR": "1"}
     out = subprocess.run([llmgw, "ctl", *args], capture_output=True, text=True, env=env, timeout=60)
     return (out.stdout + out.stderr).rstrip()
 
 
-def show_tour(stack: Stack, models: dict[str, dict[str, Any]]) -> None:
+def show_tour(stack: TourStack, models: dict[str, dict[str, Any]]) -> None:
     a = stack.addr
     gemma = "Gemma 3 270M (a base model: fluent rather than helpful)"
     if not stack.gemma_is_real:
@@ -142,23 +164,23 @@ def show_tour(stack: Stack, models: dict[str, dict[str, Any]]) -> None:
     _print(
         _indent(
             "from openai import OpenAI\n"
-            f'client = OpenAI(base_url="{a.router}/v1", api_key="devstack")\n'
+            f'client = OpenAI(base_url="{a.router}/v1", api_key="{a.api_key or ANY_KEY}")\n'
             f'client.completions.create(model="gemma-3-270m", prompt="{PROMPT}", max_tokens=32)'
         )
     )
     try:
-        _print(f"\n    -> {_one_line(PROMPT + openai_step(a.router))}")
+        _print(f"\n    -> {_one_line(PROMPT + openai_step(a.router, api_key=a.api_key))}")
     except openai.APIError as exc:
         _print(f"\n    -> error: {exc}")
 
     _print("\n2. The same model with curl:\n")
-    _print(_indent(shlex.join(curl_command(a.router))))
-    _print(f"\n    -> {_one_line(curl_step(a.router))}")
+    _print(_indent(shlex.join(curl_command(a.router, a.api_key))))
+    _print(f"\n    -> {_one_line(curl_step(a.router, a.api_key))}")
 
     _print(f"\n3. The same weights as one replica over two nodes of one fabric ({SPLIT}): llama-server on")
     _print("   one node, its layers spread to a ggml-rpc-server shard on the other, over RPC:\n")
     try:
-        _print(f"    -> {_one_line(PROMPT + openai_step(a.router, SPLIT))}")
+        _print(f"    -> {_one_line(PROMPT + openai_step(a.router, SPLIT, a.api_key))}")
     except openai.APIError as exc:
         _print(f"    -> error: {exc}")
     _print(
@@ -170,7 +192,7 @@ def show_tour(stack: Stack, models: dict[str, dict[str, Any]]) -> None:
     _print(_indent(ctl_step(stack, "status")))
     _print("\n   A request for a parked or unplaceable model is refused at once, with why:\n")
     for model in ("kev-0.5b", "phi-4"):
-        _print(f"    {model}: {refusal_step(a.router, model)}")
+        _print(f"    {model}: {refusal_step(a.router, model, a.api_key)}")
     _print(f"\n   And the alerts that fire for them, from Prometheus's API ({a.prometheus}/api/v1/alerts):\n")
     _print(_indent(alerts_step(a.prometheus)))
 
@@ -191,6 +213,8 @@ def show_tour(stack: Stack, models: dict[str, dict[str, Any]]) -> None:
     env_file = stack.dir / "env"
     _print(_indent("\n".join(f"export {k}={v}" for k, v in a.env().items())))
     _print(f"\n   (or: source {env_file}), then try:\n")
+    # With --acl the router asks for a key; .devstack/env has it as OPENAI_API_KEY.
+    auth = ' -H "Authorization: Bearer $OPENAI_API_KEY"' if a.api_key else ""
     _print(
         _indent(
             f"llmgw plan {stack.models_file}  # nothing to do: what is applied is what runs\n"
@@ -198,22 +222,14 @@ def show_tour(stack: Stack, models: dict[str, dict[str, Any]]) -> None:
             "llmgw ctl replicas               # every replica; the split one with its shard\n"
             "llmgw ctl summary                # the fleet: nodes, GPUs by class, parked, unplaceable\n"
             "llmgw ctl models kev-0.5b        # one model in full, with its last error\n"
-            "curl -s $LLMGW_ROUTER_URL/v1/models\n"
+            f"curl -s $LLMGW_ROUTER_URL/v1/models{auth}\n"
             "curl -s $LLMGW_ADMIN_ADDR/metrics | grep '^llmgw_model_'\n"
             "curl -s $PROMETHEUS_ADDR/api/v1/alerts   # the firing alerts, as Prometheus sees them\n"
             "# the on-demand copy starts on its first request (and stops after 2 idle minutes):\n"
-            "curl -s $LLMGW_ROUTER_URL/v1/completions -H 'Content-Type: application/json' \\\n"
+            f"curl -s $LLMGW_ROUTER_URL/v1/completions{auth} -H 'Content-Type: application/json' \\\n"
             '  -d \'{"model": "gemma-3-270m-on-demand", "prompt": "Once upon a time", "max_tokens": 24}\'\n'
             "llmgw ctl retry kev-0.5b         # place it again: five more failures, parked again"
         )
     )
     _print("=" * 100)
     del models
-
-
-def write_env_file(stack: Stack) -> None:
-    from devstack.services import venv_root
-
-    lines = [f"export {k}={shlex.quote(v)}" for k, v in stack.addr.env().items()]
-    lines.append(f'export PATH={shlex.quote(str(venv_root() / "bin"))}:"$PATH"')
-    (stack.dir / "env").write_text("\n".join(lines) + "\n")

@@ -286,6 +286,8 @@ ELSEWHERE: dict[str, tuple[str, str]] = {
     "LLMGW_CACHE": ("devstack/llama_cpp.py", "the dev stack's download and build cache"),
     "LLMGW_DEVSTACK_DIR": ("devstack/__main__.py", "the dev stack's state directory"),
     "LLMGW_DEVSTACK_TINY": ("devstack/__main__.py", "the dev stack's tiny-model mode"),
+    "LLMGW_DEVSTACK_ACL": ("devstack/__main__.py", "the dev stack with Nomad's ACLs on"),
+    "LLMGW_DEVSTACK_TLS": ("devstack/__main__.py", "the dev stack with Nomad's API over HTTPS"),
     "LLMGW_LLAMA_SERVER_BIN": ("devstack/llama_cpp.py", "the dev stack and tests: which llama-server to run"),
     "LLMGW_RPC_SERVER_BIN": (
         "devstack/llama_cpp.py",

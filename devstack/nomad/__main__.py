@@ -8,6 +8,7 @@ import argparse
 import asyncio
 import shutil
 import signal
+import ssl
 import sys
 import tempfile
 from pathlib import Path
@@ -65,6 +66,13 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="turn Nomad ACLs on, with this secret as the management token (off by default)",
     )
+    parser.add_argument(
+        "--tls-cert",
+        type=Path,
+        default=None,
+        help="serve HTTPS with this PEM certificate (Nomad's tls { http = true, cert_file })",
+    )
+    parser.add_argument("--tls-key", type=Path, default=None, help="the PEM key of --tls-cert")
     parser.add_argument("--log-level", default="INFO")
     return parser.parse_args(argv)
 
@@ -88,7 +96,11 @@ async def _serve(args: argparse.Namespace, data_dir: Path) -> None:
     # Open log-follow and event streams must not hold the exit up for aiohttp's default minute.
     runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=2.0)
     await runner.setup()
-    site = web.TCPSite(runner, host or "127.0.0.1", int(port_text))
+    tls = None
+    if args.tls_cert:
+        tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        tls.load_cert_chain(args.tls_cert, args.tls_key)
+    site = web.TCPSite(runner, host or "127.0.0.1", int(port_text), ssl_context=tls)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -96,7 +108,8 @@ async def _serve(args: argparse.Namespace, data_dir: Path) -> None:
     try:
         await site.start()
         print(
-            f"nomad stand-in listening on http://{args.listen} ({len(nodes)} nodes, data {data_dir})",
+            f"nomad stand-in listening on {'https' if tls else 'http'}://{args.listen} "
+            f"({len(nodes)} nodes, data {data_dir})",
             flush=True,
         )
         await stop.wait()
@@ -111,6 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(args.log_level)
     if not args.listen.rpartition(":")[2].isdigit():
         print(f"--listen: expected HOST:PORT, got {args.listen!r}", file=sys.stderr)
+        return 2
+    if bool(args.tls_cert) != bool(args.tls_key):
+        print("--tls-cert and --tls-key go together", file=sys.stderr)
         return 2
     own_dir = args.data_dir is None
     data_dir = Path(tempfile.mkdtemp(prefix="devstack-nomad-")) if own_dir else args.data_dir

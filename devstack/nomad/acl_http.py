@@ -45,8 +45,8 @@ from devstack.nomad.acl import (
     AclState,
     PolicyError,
 )
+from devstack.nomad.answers import ApiError
 from devstack.nomad.httpbase import SERVER_KEY, json_response, namespace_param, read_body
-from devstack.nomad.server import ApiError
 
 Json = dict[str, Any]
 ACL_KEY: web.AppKey[AclState] = web.AppKey("acl_state", AclState)

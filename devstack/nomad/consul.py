@@ -16,6 +16,7 @@ import hashlib
 import json
 import logging
 import os
+import ssl
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
@@ -233,7 +234,12 @@ class ServiceRegistry:
             token = os.environ.get("CONSUL_HTTP_TOKEN")
             if token:
                 headers["X-Consul-Token"] = token
-            self._client = httpx.AsyncClient(base_url=self.consul_url or "", timeout=10.0, headers=headers)
+            # CONSUL_CACERT as the consul CLI reads it, for a Consul that serves HTTPS.
+            ca = os.environ.get("CONSUL_CACERT")
+            tls: ssl.SSLContext | bool = ssl.create_default_context(cafile=ca) if ca else True
+            self._client = httpx.AsyncClient(
+                base_url=self.consul_url or "", timeout=10.0, headers=headers, verify=tls
+            )
         return self._client
 
     async def register(self, reg: Registration, alloc_id: str, restarter: Restarter) -> None:

@@ -1,6 +1,6 @@
 """Deployments as Nomad makes them: one per job version for service groups with an update
 strategy (`scheduler/reconciler/reconcile_cluster.go` `createDeployment`), their counts kept by
-the state store as allocations are placed and found healthy (`state_store.go`
+the state store as allocations are placed and found healthy (`state.py`, as `state_store.go`
 `updateDeploymentWithAlloc`), allocation health from checks or task states within
 `min_healthy_time` and `healthy_deadline` (`client/allochealth`), and the watcher that completes,
 fails and re-evaluates them (`nomad/deploymentwatcher`).
@@ -22,26 +22,23 @@ import contextlib
 import logging
 import uuid
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from devstack.nomad.clock import Clock
+from devstack.nomad.deployment_status import ACTIVE as ACTIVE
+from devstack.nomad.deployment_status import CANCELLED as CANCELLED
+from devstack.nomad.deployment_status import FAILED as FAILED
+from devstack.nomad.deployment_status import PAUSED as PAUSED
+from devstack.nomad.deployment_status import RUNNING as RUNNING
+from devstack.nomad.deployment_status import SUCCESSFUL as SUCCESSFUL
+from devstack.nomad.deployment_status import TABLE as TABLE
+from devstack.nomad.deployment_status import has_health, is_active
 from devstack.nomad.encode import ZERO_TIME, parse_rfc3339_ns, rfc3339
-
-if TYPE_CHECKING:
-    from devstack.nomad.clock import Clock
-    from devstack.nomad.state import StateStore
+from devstack.nomad.state import StateStore
 
 Json = dict[str, Any]
 log = logging.getLogger("devstack.nomad.deployments")
 
-TABLE = "deployment"
-
-# nomad/structs/deployment.go
-RUNNING = "running"
-PAUSED = "paused"
-FAILED = "failed"
-SUCCESSFUL = "successful"
-CANCELLED = "cancelled"
-ACTIVE = (RUNNING, PAUSED, "blocked", "unblocking", "initializing", "pending")
 
 DESC_RUNNING = "Deployment is running"
 DESC_PAUSED = "Deployment is paused"
@@ -71,10 +68,6 @@ def update_strategy(group: Json | None) -> Json | None:
     if not update or int(update.get("MaxParallel") or 0) <= 0:
         return None
     return update
-
-
-def is_active(deployment: Json | None) -> bool:
-    return deployment is not None and deployment["Status"] in ACTIVE
 
 
 def latest_for_job(store: StateStore, namespace: str, job_id: str) -> Json | None:
@@ -140,62 +133,6 @@ def promoted(state: Json, now_ns: int) -> Json:
     if deadline and parse_rfc3339_ns(state.get("RequireProgressBy")):
         out["RequireProgressBy"] = rfc3339(now_ns + deadline)
     return out
-
-
-def has_health(alloc: Json | None) -> bool:
-    return bool(alloc) and ((alloc or {}).get("DeploymentStatus") or {}).get("Healthy") is not None
-
-
-# ----- the state store's part ------------------------------------------------------------------
-
-
-def update_with_alloc(store: StateStore, alloc: Json, existing: Json | None, index: int) -> None:
-    """`updateDeploymentWithAlloc`: a placement or a first health verdict moves the counts of
-    the allocation's deployment, and the progress deadline with them (inside the caller's
-    batch, so the deployment and the allocation carry one index)."""
-    deployment_id = alloc.get("DeploymentID")
-    if not deployment_id:
-        return
-    deployment = store.deployments.get(deployment_id)
-    if deployment is None or alloc["TaskGroup"] not in deployment["TaskGroups"]:
-        return
-    placed = healthy = unhealthy = 0
-    status = alloc.get("DeploymentStatus") or {}
-    if existing is None or existing.get("DeploymentID") != deployment_id:
-        placed = 1
-    elif not has_health(existing) and has_health(alloc):
-        if status["Healthy"]:
-            healthy = 1
-        else:
-            unhealthy = 1
-    elif (
-        has_health(existing)
-        and has_health(alloc)
-        and existing["DeploymentStatus"]["Healthy"]
-        and not status["Healthy"]
-    ):
-        healthy, unhealthy = -1, 1
-    if not (placed or healthy or unhealthy):
-        return
-    if alloc.get("DeploymentStatus") is not None and (healthy or unhealthy):
-        alloc["DeploymentStatus"]["ModifyIndex"] = index
-    groups = {name: dict(state) for name, state in deployment["TaskGroups"].items()}
-    state = groups[alloc["TaskGroup"]]
-    state["PlacedAllocs"] += placed
-    state["HealthyAllocs"] += healthy
-    state["UnhealthyAllocs"] += unhealthy
-    deadline = int(state.get("ProgressDeadline") or 0)
-    if deadline:
-        if placed and parse_rfc3339_ns(state["RequireProgressBy"]) == 0:
-            # From the allocation's modify time: an in-place update joins a deployment late.
-            state["RequireProgressBy"] = rfc3339(int(alloc.get("ModifyTime") or 0) + deadline)
-        elif healthy > 0:
-            by = parse_rfc3339_ns(status.get("Timestamp")) + deadline
-            if by > parse_rfc3339_ns(state["RequireProgressBy"]):
-                state["RequireProgressBy"] = rfc3339(by)
-    store.upsert_deployment(
-        {**deployment, "TaskGroups": groups, "ModifyTime": int(alloc.get("ModifyTime") or 0)}
-    )
 
 
 # ----- the scheduler's part --------------------------------------------------------------------

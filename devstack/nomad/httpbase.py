@@ -13,8 +13,9 @@ from typing import Any
 
 from aiohttp import web
 
+from devstack.nomad.answers import NAMESPACE, ApiError
 from devstack.nomad.encode import dumps, dumps_pretty, parse_go_duration
-from devstack.nomad.server import NAMESPACE, ApiError, NomadServer
+from devstack.nomad.server import NomadServer
 
 Json = dict[str, Any]
 log = logging.getLogger("devstack.nomad.http")

@@ -16,6 +16,7 @@ from typing import Any, cast
 
 from aiohttp import web
 
+from devstack.nomad.answers import ApiError
 from devstack.nomad.canonical import spec_changed
 from devstack.nomad.encode import ZERO_TIME
 from devstack.nomad.httpbase import read_body, write_response
@@ -30,7 +31,7 @@ from devstack.nomad.reconcile import (
     compute_plan,
     new_eval,
 )
-from devstack.nomad.server import ApiError, NomadServer
+from devstack.nomad.server import NomadServer
 from devstack.nomad.state import StateStore
 
 Json = dict[str, Any]

@@ -18,7 +18,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from devstack.nomad import deployments
+from devstack.nomad import deployment_status
+from devstack.nomad.encode import parse_rfc3339_ns, rfc3339
 from devstack.nomad.placement import forget_footprint
 
 Json = dict[str, Any]
@@ -34,7 +35,7 @@ TABLES = (
     "scheduler_config",
     "namespaces",
     "variables",
-    deployments.TABLE,
+    deployment_status.TABLE,
 )
 
 
@@ -257,7 +258,7 @@ class StateStore:
         idx = self.index + 1
         existing = self.allocs.get(alloc["ID"])
         if alloc.get("DeploymentID"):
-            deployments.update_with_alloc(self, alloc, existing, idx)
+            update_deployment_with_alloc(self, alloc, existing, idx)
         alloc["CreateIndex"] = existing["CreateIndex"] if existing else idx
         alloc["ModifyIndex"] = idx
         alloc.setdefault("AllocModifyIndex", idx)
@@ -313,7 +314,7 @@ class StateStore:
         ] = deployment
         payload = {"Deployment": deployment}
         event = ("Deployment", "DeploymentStatusUpdate", deployment["ID"], deployment["Namespace"], payload)
-        return self._touch(deployments.TABLE, event)
+        return self._touch(deployment_status.TABLE, event)
 
     def delete_deployments(self, deployment_ids: Iterable[str]) -> int:
         """Forget deployments (`DeleteDeploymentTxn`: what the garbage collector reaps)."""
@@ -322,14 +323,14 @@ class StateStore:
             if deployment is not None:
                 key = (deployment["Namespace"], deployment["JobID"])
                 self._deployments_by_job.get(key, {}).pop(deployment_id, None)
-                self._touch(deployments.TABLE)
+                self._touch(deployment_status.TABLE)
         return self.index
 
     def deployments_for_job(self, namespace: str, job_id: str) -> list[Json]:
         return list(self._deployments_by_job.get((namespace, job_id), {}).values())
 
     def active_deployments(self) -> list[Json]:
-        return [d for d in self.deployments.values() if deployments.is_active(d)]
+        return [d for d in self.deployments.values() if deployment_status.is_active(d)]
 
     # ----- namespaces ----------------------------------------------------------------------
 
@@ -375,3 +376,52 @@ class _Batch:
         self._store._pending = None
         if pending is not None:
             self._store._commit(pending)
+
+
+def update_deployment_with_alloc(store: StateStore, alloc: Json, existing: Json | None, index: int) -> None:
+    """`updateDeploymentWithAlloc`: a placement or a first health verdict moves the counts of
+    the allocation's deployment, and the progress deadline with them (inside the caller's
+    batch, so the deployment and the allocation carry one index)."""
+    deployment_id = alloc.get("DeploymentID")
+    if not deployment_id:
+        return
+    deployment = store.deployments.get(deployment_id)
+    if deployment is None or alloc["TaskGroup"] not in deployment["TaskGroups"]:
+        return
+    placed = healthy = unhealthy = 0
+    status = alloc.get("DeploymentStatus") or {}
+    if existing is None or existing.get("DeploymentID") != deployment_id:
+        placed = 1
+    elif not deployment_status.has_health(existing) and deployment_status.has_health(alloc):
+        if status["Healthy"]:
+            healthy = 1
+        else:
+            unhealthy = 1
+    elif (
+        deployment_status.has_health(existing)
+        and deployment_status.has_health(alloc)
+        and existing["DeploymentStatus"]["Healthy"]
+        and not status["Healthy"]
+    ):
+        healthy, unhealthy = -1, 1
+    if not (placed or healthy or unhealthy):
+        return
+    if alloc.get("DeploymentStatus") is not None and (healthy or unhealthy):
+        alloc["DeploymentStatus"]["ModifyIndex"] = index
+    groups = {name: dict(state) for name, state in deployment["TaskGroups"].items()}
+    state = groups[alloc["TaskGroup"]]
+    state["PlacedAllocs"] += placed
+    state["HealthyAllocs"] += healthy
+    state["UnhealthyAllocs"] += unhealthy
+    deadline = int(state.get("ProgressDeadline") or 0)
+    if deadline:
+        if placed and parse_rfc3339_ns(state["RequireProgressBy"]) == 0:
+            # From the allocation's modify time: an in-place update joins a deployment late.
+            state["RequireProgressBy"] = rfc3339(int(alloc.get("ModifyTime") or 0) + deadline)
+        elif healthy > 0:
+            by = parse_rfc3339_ns(status.get("Timestamp")) + deadline
+            if by > parse_rfc3339_ns(state["RequireProgressBy"]):
+                state["RequireProgressBy"] = rfc3339(by)
+    store.upsert_deployment(
+        {**deployment, "TaskGroups": groups, "ModifyTime": int(alloc.get("ModifyTime") or 0)}
+    )

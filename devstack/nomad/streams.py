@@ -10,10 +10,10 @@ from pathlib import Path
 
 from aiohttp import web
 
+from devstack.nomad.answers import NAMESPACE, ApiError
 from devstack.nomad.encode import dumps
 from devstack.nomad.events import TopicFilter
 from devstack.nomad.httpbase import HEARTBEAT_KEY, SERVER_KEY, bool_param, only
-from devstack.nomad.server import NAMESPACE, ApiError
 
 EVENT_HEARTBEAT_S = 10.0
 LOG_FOLLOW_POLL_S = 0.2

@@ -15,6 +15,7 @@ from typing import Any
 
 from aiohttp import web
 
+from devstack.nomad.answers import ApiError
 from devstack.nomad.httpbase import (
     SERVER_KEY,
     blocking,
@@ -23,7 +24,6 @@ from devstack.nomad.httpbase import (
     ns_matches,
     read_body,
 )
-from devstack.nomad.server import ApiError
 
 Json = dict[str, Any]
 

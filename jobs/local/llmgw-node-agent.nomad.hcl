@@ -11,6 +11,18 @@ variable "nomad_addr" {
   description = "Nomad HTTP API."
 }
 
+variable "nomad_token" {
+  type        = string
+  description = "NOMAD_TOKEN: the node agent's token where Nomad's ACLs are on (python -m devstack up --acl); empty: none."
+  default     = ""
+}
+
+variable "nomad_cacert" {
+  type        = string
+  description = "NOMAD_CACERT: the CA of Nomad's HTTPS certificate (python -m devstack up --tls); empty: the system's CAs."
+  default     = ""
+}
+
 variable "node_pool" {
   type        = string
   description = "Node pool of the GPU nodes."
@@ -56,7 +68,9 @@ job "llmgw-node-agent" {
       }
 
       env {
-        NOMAD_ADDR = var.nomad_addr
+        NOMAD_ADDR  = var.nomad_addr
+        NOMAD_TOKEN  = var.nomad_token
+        NOMAD_CACERT = var.nomad_cacert
       }
 
       resources {

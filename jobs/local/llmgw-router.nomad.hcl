@@ -17,6 +17,24 @@ variable "port" {
   default     = 8080
 }
 
+variable "consul_cacert" {
+  type        = string
+  description = "CONSUL_CACERT: the CA of Consul's HTTPS certificate (python -m devstack up --tls); empty: the system's CAs."
+  default     = ""
+}
+
+variable "consul_token" {
+  type        = string
+  description = "CONSUL_HTTP_TOKEN: the router's token where Consul's ACLs are on (python -m devstack up --acl); empty: none."
+  default     = ""
+}
+
+variable "api_keys" {
+  type        = string
+  description = "LLMGW_API_KEYS: the keys clients send as Bearer tokens, comma-separated; empty: none asked."
+  default     = ""
+}
+
 variable "node_pool" {
   type        = string
   description = "Node pool for llmgw's own services: not the GPU pool the models run in."
@@ -60,7 +78,10 @@ job "llmgw-router" {
       }
 
       env {
-        CONSUL_HTTP_ADDR = var.consul_addr
+        CONSUL_HTTP_ADDR  = var.consul_addr
+        CONSUL_HTTP_TOKEN = var.consul_token
+        CONSUL_CACERT     = var.consul_cacert
+        LLMGW_API_KEYS    = var.api_keys
       }
 
       resources {

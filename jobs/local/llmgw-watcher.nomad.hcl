@@ -35,6 +35,36 @@ variable "max_start_failures" {
   default     = 5
 }
 
+variable "nomad_token" {
+  type        = string
+  description = "NOMAD_TOKEN: the watcher's token where Nomad's ACLs are on (python -m devstack up --acl); empty: none."
+  default     = ""
+}
+
+variable "nomad_cacert" {
+  type        = string
+  description = "NOMAD_CACERT: the CA of Nomad's HTTPS certificate (python -m devstack up --tls); empty: the system's CAs."
+  default     = ""
+}
+
+variable "consul_cacert" {
+  type        = string
+  description = "CONSUL_CACERT: the CA of Consul's HTTPS certificate (python -m devstack up --tls); empty: the system's CAs."
+  default     = ""
+}
+
+variable "consul_token" {
+  type        = string
+  description = "CONSUL_HTTP_TOKEN: the watcher's token where Consul's ACLs are on (python -m devstack up --acl); empty: none."
+  default     = ""
+}
+
+variable "admin_token" {
+  type        = string
+  description = "LLMGW_ADMIN_TOKEN: the bearer token the admin API wants for writes; empty: none."
+  default     = ""
+}
+
 variable "node_pool" {
   type        = string
   description = "Node pool for llmgw's own services: not the GPU pool the models run in."
@@ -76,8 +106,13 @@ job "llmgw-watcher" {
       }
 
       env {
-        NOMAD_ADDR       = var.nomad_addr
-        CONSUL_HTTP_ADDR = var.consul_addr
+        NOMAD_ADDR        = var.nomad_addr
+        CONSUL_HTTP_ADDR  = var.consul_addr
+        NOMAD_TOKEN       = var.nomad_token
+        NOMAD_CACERT      = var.nomad_cacert
+        CONSUL_HTTP_TOKEN = var.consul_token
+        CONSUL_CACERT     = var.consul_cacert
+        LLMGW_ADMIN_TOKEN = var.admin_token
       }
 
       resources {

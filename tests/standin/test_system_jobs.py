@@ -12,8 +12,9 @@ from typing import Any
 
 import pytest
 
+from devstack.nomad.answers import ApiError
 from devstack.nomad.nodes import node_id
-from devstack.nomad.server import ApiError, NomadServer
+from devstack.nomad.server import NomadServer
 from tests.fixtures.nomad import StandIn
 from tests.standin.api_helpers import eval_done, live_allocs, mock_job, tiny_node, tiny_server, wait_for
 
