@@ -89,9 +89,15 @@ def parked_with_engine_error(stack: DevStack) -> dict[str, Any] | None:
 def test_kev_is_started_exactly_five_times_and_then_parked(devstack_tiny: DevStack) -> None:
     stack = devstack_tiny
     wait_until(f"{KEV} parked", lambda: admin_model(stack, KEV).get("parked"))
-    assert engine_starts(stack, KEV) == 5
+    # Parking goes through the group's 15 s drain (nomad_driver/draining.py), in which Nomad's
+    # restart policy may start the crash-looping engine once more before the kill: not counted
+    # (docs/watcher.md), and over once the drain is (QUIET_S is longer).
+    assert engine_starts(stack, KEV) in (5, 6)
     time.sleep(QUIET_S)
-    assert engine_starts(stack, KEV) == 5, "a parked model was started again"
+    settled = engine_starts(stack, KEV)
+    assert settled in (5, 6)
+    time.sleep(QUIET_S / 5)
+    assert engine_starts(stack, KEV) == settled, "a parked model was started again"
     job = httpx.get(f"{stack.nomad}/v1/job/llmgw-{KEV}", timeout=10).json()
     assert job["TaskGroups"][0]["Count"] == 0
     model = admin_model(stack, KEV)
@@ -143,6 +149,7 @@ def test_request_for_the_parked_model_is_refused_at_once_with_the_engine_error(
 ) -> None:
     stack = devstack_tiny
     wait_until(f"{KEV} parked with the engine's error", lambda: parked_with_engine_error(stack), timeout=60)
+    before = engine_starts(stack, KEV)
     exc, elapsed = refusal(stack, KEV)
     code, message = error_fields(exc)
     assert exc.status_code == 503 and code == "model_parked"
@@ -150,7 +157,7 @@ def test_request_for_the_parked_model_is_refused_at_once_with_the_engine_error(
     assert exc.response.headers.get("x-should-retry") == "false"
     assert "retry-after" not in exc.response.headers
     assert elapsed < AT_ONCE_S
-    assert engine_starts(stack, KEV) == 5, "a request for a parked model started it"
+    assert engine_starts(stack, KEV) == before, "a request for a parked model started it"
 
 
 # ----- incident 2: a model that fits nowhere ---------------------------------------------------
