@@ -11,7 +11,7 @@ import logging
 import sys
 import time
 
-from nomad_driver.spec import redact
+from nomad_driver.redaction import redact
 
 _STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime", "taskName"}
 

@@ -10,16 +10,16 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import urlsplit
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from nomad_driver.safeload import LoadError, compose_yaml, construct_yaml
+from nomad_driver.durations import parse_duration
+from nomad_driver.redaction import SECRETS_HINT, redact, source_credentials
+from nomad_driver.spec_yaml import SpecError, describe, load_yaml, pydantic_problems
 
 Engine = Literal["llama.cpp", "vllm", "llama-cpp-python"]
 ENGINES: tuple[str, ...] = ("llama.cpp", "vllm", "llama-cpp-python")
@@ -46,12 +46,9 @@ RESERVED_MODEL_NAMES = ("router", "watcher", "node-agent")
 ENGINE_VERSION_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 SOURCE_SCHEMES = ("hf", "https", "s3", "file")
 
-_DURATION_PART = re.compile(r"(\d{1,12}(?:\.\d{1,9})?)(ms|s|m|h)")
-_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
 # Bounds on numbers, so that what validates also registers: Nomad reads these as Go int64
 # (anything larger fails to decode), and far below that they stop meaning anything. A year is
-# longer than any idle or activation timeout an operator means.
-MAX_DURATION_S = 365 * 24 * 3600.0
+# longer than any idle or activation timeout an operator means (durations.py).
 MAX_REPLICAS = 10_000
 MAX_TARGET_IN_FLIGHT = 100_000
 DEFAULT_SCALE_DOWN_DELAY_S = 5 * 60.0
@@ -63,14 +60,6 @@ MAX_MEMORY_MIB = 64 * 1024 * 1024  # 64 TiB of host memory
 MAX_GPU_MEMORY_MIB = 16 * 1024 * 1024  # 16 TiB per GPU
 MAX_CPU_MHZ = 10_000_000
 MAX_CONTEXT = 100_000_000
-
-
-class SpecError(Exception):
-    """One or more problems in a models file, each `path: message`."""
-
-    def __init__(self, problems: list[str]) -> None:
-        self.problems = list(problems)
-        super().__init__("\n".join(self.problems))
 
 
 class Profile(BaseModel):
@@ -191,191 +180,7 @@ def definition_hash(source: str, profile: Profile) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def parse_duration(value: object) -> float:
-    """Seconds from `90`, "90", "30s", "15m", "1h", "1h30m", "500ms"."""
-    if isinstance(value, bool):
-        raise ValueError
-    if isinstance(value, int):
-        # float() of a 400-digit integer raises OverflowError, not ValueError.
-        if abs(value) > MAX_DURATION_S:
-            raise ValueError
-        seconds = float(value)
-    elif isinstance(value, float):
-        seconds = value
-    elif isinstance(value, str):
-        text = value.strip()
-        if re.fullmatch(r"\d{1,12}(?:\.\d{1,9})?", text):
-            seconds = float(text)
-        else:
-            parts = list(_DURATION_PART.finditer(text))
-            if not parts or "".join(p.group(0) for p in parts) != text:
-                raise ValueError
-            seconds = sum(float(p.group(1)) * _DURATION_UNITS[p.group(2)] for p in parts)
-    else:
-        raise ValueError
-    # `not <=` so that NaN, which compares false with everything, is refused too.
-    if not 0 < seconds <= MAX_DURATION_S:
-        raise ValueError
-    return seconds
-
-
-# --- YAML with duplicate keys refused -----------------------------------------------------------
-
-
-def _check_duplicates(node: yaml.Node, path: str, problems: list[str]) -> None:
-    """PyYAML keeps the last of two equal keys without a word; a model defined twice would then
-    silently lose its first definition, so duplicates are found on the node tree first."""
-    if isinstance(node, yaml.MappingNode):
-        seen: dict[str, int] = {}
-        for key_node, value_node in node.value:
-            key = str(key_node.value) if isinstance(key_node, yaml.ScalarNode) else "?"
-            line = key_node.start_mark.line + 1
-            child = f"{path}.{key}" if path else key
-            if key in seen:
-                problems.append(f"{child}: duplicate key '{key}' at line {line} (first at line {seen[key]})")
-            else:
-                seen[key] = line
-            _check_duplicates(value_node, child, problems)
-    elif isinstance(node, yaml.SequenceNode):
-        for i, item in enumerate(node.value):
-            _check_duplicates(item, f"{path}.{i}" if path else str(i), problems)
-
-
-def _load_yaml(text: str, problems: list[str]) -> Any:
-    """The document, with duplicate keys added to `problems` (the rest is still validated, so
-    the operator sees every problem in one run)."""
-    try:
-        # Bounded (see safeload): depth, size, aliases and numbers are checked before the
-        # tree is walked, so a YAML bomb is refused in milliseconds instead of hanging.
-        node = compose_yaml(text)
-        if node is None:
-            return None
-        _check_duplicates(node, "", problems)
-        return construct_yaml(node)
-    except LoadError as exc:
-        raise SpecError([f"(file): not valid YAML: {exc.detail}"]) from None
-    except yaml.YAMLError as exc:
-        raise SpecError([f"(file): not valid YAML: {_yaml_error(exc)}"]) from None
-
-
-def _yaml_error(exc: yaml.YAMLError) -> str:
-    mark = getattr(exc, "problem_mark", None)
-    problem = getattr(exc, "problem", None) or str(exc)
-    if mark is not None:
-        return f"{problem} at line {mark.line + 1}, column {mark.column + 1}"
-    return str(problem)
-
-
-# --- pydantic errors as path: message ------------------------------------------------------------
-
-
-def _describe(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _pydantic_problems(prefix: str, exc: ValidationError, model: type[BaseModel]) -> Iterator[str]:
-    for err in exc.errors():
-        loc = [str(p) for p in err["loc"]]
-        path = ".".join([prefix, *loc])
-        kind = err["type"]
-        value = err.get("input")
-        if kind == "extra_forbidden":
-            allowed = _allowed_keys(model, loc[:-1])
-            yield f"{path}: unknown key '{loc[-1]}' (expected one of: {', '.join(allowed)})"
-        elif kind == "missing":
-            yield f"{path}: required field is missing"
-        elif kind == "literal_error":
-            expected = err.get("ctx", {}).get("expected", "")
-            yield f"{path}: expected one of {expected}, got {_describe(value)}"
-        elif kind in ("int_type", "int_parsing", "int_from_float"):
-            yield f"{path}: expected an integer, got {_describe(value)}"
-        elif kind in ("string_type",):
-            yield f"{path}: expected a string, got {_describe(value)}"
-        elif kind in ("list_type",):
-            yield f"{path}: expected a list, got {_describe(value)}"
-        elif kind in ("model_type", "model_attributes_type", "dict_type"):
-            yield f"{path}: expected a mapping, got {_describe(value)}"
-        elif kind in ("greater_than_equal", "less_than_equal", "greater_than", "less_than"):
-            if isinstance(value, int) and abs(value) > 10**18:
-                value = f"a {len(str(abs(value)))}-digit number"
-            yield f"{path}: {err['msg'].lower()}, got {_describe(value)}"
-        else:
-            yield f"{path}: {err['msg']}"
-
-
-def _allowed_keys(model: type[BaseModel], loc: list[str]) -> list[str]:
-    current: type[BaseModel] = model
-    for part in loc:
-        field = current.model_fields.get(part)
-        annotation = field.annotation if field else None
-        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-            current = annotation
-        else:
-            break
-    return list(current.model_fields)
-
-
-# --- sources ----------------------------------------------------------------------------------
-
-
-# Query parameters that carry a credential or a signature (AWS SigV4 presigned URLs, go-getter's
-# s3 options, the usual token names). Matched case-insensitively.
-SECRET_PARAMS = frozenset(
-    p.lower()
-    for p in (
-        "X-Amz-Signature",
-        "X-Amz-Credential",
-        "X-Amz-Security-Token",
-        "aws_access_key_id",
-        "aws_access_key_secret",
-        "aws_access_token",
-        "token",
-        "access_token",
-        "auth",
-        "sig",
-        "signature",
-        "secret",
-        "password",
-        "api_key",
-        "apikey",
-        "key",
-    )
-)
-SECRETS_HINT = (
-    "sources are shown to clients, operators and logs, so credentials never go in one: put them "
-    "in a Nomad Variable and into the engine's environment (e.g. HF_TOKEN or AWS_ACCESS_KEY_ID) "
-    "through a template; see docs/models.md, 'Credentials for sources'"
-)
-_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/\s@'\"]+@")
-_SECRET_QUERY = re.compile(
-    r"(?i)([?&;](?:" + "|".join(re.escape(p) for p in sorted(SECRET_PARAMS)) + r")=)[^&;#\s'\"]+"
-)
-_TOKENS = re.compile(r"(?i)\b(bearer\s+)[A-Za-z0-9._~+/=-]+|\bhf_[A-Za-z0-9]{8,}|\bAKIA[0-9A-Z]{16}\b")
-
-
-def redact(text: str) -> str:
-    """`text` with anything credential-shaped replaced by `***`: passwords in URLs, secret query
-    parameters, bearer tokens, Hugging Face and AWS key IDs. Used wherever a source or an engine's
-    error is shown, behind the validation that refuses them in sources."""
-    if not text:
-        return text
-    text = _USERINFO.sub(r"\1***@", text)
-    text = _SECRET_QUERY.sub(r"\1***", text)
-    return _TOKENS.sub(lambda m: (m.group(1) + "***") if m.group(1) else "***", text)
-
-
-def source_credentials(source: str) -> str | None:
-    """What in `source` is a credential (named, never shown), or None."""
-    parts = urlsplit(source)
-    if "@" in parts.netloc:
-        return "a user name or password before '@'"
-    found = sorted(
-        {k for k, _ in parse_qsl(parts.query, keep_blank_values=True) if k.lower() in SECRET_PARAMS}
-    )
-    if found:
-        return f"the query parameter{'s' if len(found) > 1 else ''} {', '.join(found)}"
-    return None
+# --- sources (what a credential in one looks like: redaction.py) ------------------------------
 
 
 def source_problem(source: str, engine: str) -> str | None:
@@ -423,7 +228,7 @@ def parse_models(text: str, origin: str = "<string>") -> ModelSet:
     """Validate a models file. `origin` names the file in the one problem that has no path."""
     problems: list[str] = []
     try:
-        doc = _load_yaml(text, problems)
+        doc = load_yaml(text, problems)
     except SpecError as exc:
         raise SpecError([p.replace("(file)", origin, 1) for p in exc.problems]) from None
     if doc is None:
@@ -484,18 +289,18 @@ def _parse_profiles(raw: Any, problems: list[str]) -> dict[str, Profile]:
         problems.append("profiles: required; define at least one profile")
         return {}
     if not isinstance(raw, dict):
-        problems.append(f"profiles: expected a mapping of profile name to profile, got {_describe(raw)}")
+        problems.append(f"profiles: expected a mapping of profile name to profile, got {describe(raw)}")
         return {}
     profiles: dict[str, Profile] = {}
     for name, body in raw.items():
         path = f"profiles.{name}"
         if not isinstance(body, dict):
-            problems.append(f"{path}: expected a mapping, got {_describe(body)}")
+            problems.append(f"{path}: expected a mapping, got {describe(body)}")
             continue
         try:
             profile = Profile.model_validate(body)
         except ValidationError as exc:
-            problems.extend(_pydantic_problems(path, exc, Profile))
+            problems.extend(pydantic_problems(path, exc, Profile))
             continue
         before = len(problems)
         if not ENGINE_VERSION_RE.fullmatch(profile.engine_version):
@@ -551,7 +356,7 @@ def _parse_models(
         problems.append("models: required; define at least one model")
         return {}
     if not isinstance(raw, dict):
-        problems.append(f"models: expected a mapping of model name to model, got {_describe(raw)}")
+        problems.append(f"models: expected a mapping of model name to model, got {describe(raw)}")
         return {}
     models: dict[str, Model] = {}
     for key, body in raw.items():
@@ -566,12 +371,12 @@ def _parse_models(
                 f"llmgw's own {name.lower()} job; choose another name"
             )
         if not isinstance(body, dict):
-            problems.append(f"{path}: expected a mapping, got {_describe(body)}")
+            problems.append(f"{path}: expected a mapping, got {describe(body)}")
             continue
         try:
             doc = _ModelDoc.model_validate(body)
         except ValidationError as exc:
-            problems.extend(_pydantic_problems(path, exc, _ModelDoc))
+            problems.extend(pydantic_problems(path, exc, _ModelDoc))
             continue
 
         profile = profiles.get(doc.profile)

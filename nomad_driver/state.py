@@ -16,8 +16,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from nomad_driver.redaction import redact
 from nomad_driver.safeload import LoadError, json_loads
-from nomad_driver.spec import redact
 
 KV_PREFIX = "llmgw/"
 STATE_PREFIX = "llmgw/state/"

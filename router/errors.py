@@ -11,7 +11,7 @@ import json
 from collections.abc import Iterable
 from typing import Any
 
-from nomad_driver.spec import redact
+from nomad_driver.redaction import redact
 
 # The SDKs retry 408, 409, 429 and 5xx unless told not to; a refusal that will give the same
 # answer on every retry must say so, or a client retries it forever (the phi-4 incident).

@@ -6,7 +6,7 @@ import time
 from collections.abc import Callable, Collection, Hashable, Mapping
 from typing import Any
 
-from nomad_driver.spec import redact
+from nomad_driver.redaction import redact
 from router import errors
 from router.discovery import Discovery, Snapshot
 from router.outliers import Outliers

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from nomad_driver.cli.plan import FleetPlan, ModelPlan, classify, planned_count, render_text
+from nomad_driver.cli.plan import FleetPlan, ModelPlan, classify, planned_count
+from nomad_driver.cli.plan_output import render_text
 from nomad_driver.cli.plan_reading import candidates, namespace_default_pool, read_plan
 from nomad_driver.render import render_job
 from nomad_driver.spec import parse_models

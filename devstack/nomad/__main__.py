@@ -22,8 +22,8 @@ from devstack.nomad.http import make_app
 from devstack.nomad.nodes import NodeSpecError, load_nodes
 from devstack.nomad.server import NomadServer
 from devstack.nomad.streams import EVENT_HEARTBEAT_S
+from nomad_driver.durations import parse_duration
 from nomad_driver.logs import configure_logging
-from nomad_driver.spec import parse_duration
 
 
 def _duration(text: str) -> float:

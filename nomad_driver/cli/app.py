@@ -102,7 +102,7 @@ def plan_command(
     """Show what `llmgw apply MODELS.yaml` would change and whether each change fits, touching
     nothing. Exit codes: 0 nothing to do, 2 invalid file, 3 Nomad or Consul unreachable,
     6 changes that all fit, 7 something fits nowhere, 8 a model's job is not llmgw's."""
-    from nomad_driver.cli.plan import plan_or_exit, show_plan
+    from nomad_driver.cli.plan_output import plan_or_exit, show_plan
 
     plan = plan_or_exit(models_file, as_json=as_json, verb="plan")
     show_plan(plan, str(models_file), as_json=as_json)

@@ -226,7 +226,8 @@ def apply(
     --allow-unplaceable. A model whose job ID is taken by a job llmgw did not render refuses the
     whole file (exit 5)."""
     from nomad_driver.cli.apply import ApplyConflict, apply_file
-    from nomad_driver.cli.plan import EXIT_FITS_NOWHERE, plan_or_exit, show_plan
+    from nomad_driver.cli.plan import EXIT_FITS_NOWHERE
+    from nomad_driver.cli.plan_output import plan_or_exit, show_plan
     from nomad_driver.consul import ConsulError
     from nomad_driver.nomad import NomadError
     from nomad_driver.spec import SpecError, problem_line

@@ -25,7 +25,7 @@ from nomad_driver.certs import register_cert_collector
 from nomad_driver.consul import ConsulError
 from nomad_driver.node_meta import ENGINE_KEY_PREFIX, FABRIC_KEY, engine_meta_key, models_cached
 from nomad_driver.placement import job_fabric
-from nomad_driver.spec import redact
+from nomad_driver.redaction import redact
 from nomad_driver.summary import fleet_summary, gpu_use, held_devices, node_state
 from nomad_driver.watcher.decisions import ModelView
 from nomad_driver.watcher.loop import NotLeader, UnknownModel, Watcher

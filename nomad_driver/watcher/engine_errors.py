@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from dataclasses import replace
 
 from nomad_driver.nomad import Nomad, NomadError
-from nomad_driver.spec import redact
+from nomad_driver.redaction import redact
 from nomad_driver.watcher import parking
 from nomad_driver.watcher.decisions import Action, Decision, ModelView, Park, WriteState
 from nomad_driver.watcher.health_text import model_health

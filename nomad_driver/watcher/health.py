@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from nomad_driver.consul import Consul
-from nomad_driver.spec import redact
+from nomad_driver.redaction import redact
 
 log = logging.getLogger("llmgw.health")
 

@@ -24,45 +24,37 @@ from typing import Any
 from nomad_driver.blocking import Watch
 from nomad_driver.consul import Consul, ConsulError, ConsulUnavailable, KVEntry
 from nomad_driver.nomad import Nomad
-from nomad_driver.placement import FabricRoom, PlacementWarnings, eligible_nodes, fabric_rooms
+from nomad_driver.placement import PlacementWarnings
 from nomad_driver.render import SERVICE_NAME
-from nomad_driver.spec import Model, SpecError, decode_models_text, parse_models
+from nomad_driver.spec import Model
 from nomad_driver.state import (
-    ACTIVITY_PREFIX,
-    CONFIG_MODELS_KEY,
     MalformedState,
     ModelState,
-    parse_activity,
     parse_state,
     state_key,
 )
 from nomad_driver.watcher.acting import Actor
 from nomad_driver.watcher.counting import retried
-from nomad_driver.watcher.decisions import Decision, ModelView, Park, PreviousJob
+from nomad_driver.watcher.decisions import Decision, ModelView, Park
 from nomad_driver.watcher.engine_errors import EngineErrors
 from nomad_driver.watcher.feeds import AllocationFeed, JobFeed
 from nomad_driver.watcher.fenced import FencedStates
 from nomad_driver.watcher.health import Entry, HealthEntries
 from nomad_driver.watcher.in_flight import (
     INFLIGHT_FORGET_AFTER_S,
-    asks,
     forget_gone_routers,
-    requests_in_flight,
     routers_change_at,
 )
 from nomad_driver.watcher.isolation import BrokenModels, broken_decision, reconcile_each
-from nomad_driver.watcher.job_facts import job_group
 from nomad_driver.watcher.leader import LeaderInfo, Leadership, LeaseLost
 from nomad_driver.watcher.quiet import quiet_until, record_differences, verify_file
 from nomad_driver.watcher.reconcile import DEFAULT_MAX_START_FAILURES
 from nomad_driver.watcher.replicas import (
-    busy_floor_of,
     list_replicas,
     node_fabrics,
 )
-from nomad_driver.watcher.rollout import choose_jobs
 from nomad_driver.watcher.scaling import DEFAULT_STEP_INTERVAL_S, DEFAULT_UP_WINDOW_S, LoadHistory
-from nomad_driver.watcher.sightings import StartSightings
+from nomad_driver.watcher.views import ViewBuilder
 from nomad_driver.watcher.watch import (
     JobCache,
     NodeCache,
@@ -174,14 +166,6 @@ class Watcher:
             "nomad-nodes", nodes_fetch(nomad, w, NodeCache()), on_change=self._nodes_read
         )
         self._node_fabrics: dict[str, str] | None = None
-        self.models: dict[str, Model] = {}
-        self.definitions_problem = ""
-        self._models_index = -1
-        # The last good models file, to put back if the key disappears (a Consul that lost its
-        # data): without it the routers forget every model and answer 404 until someone
-        # re-applies, while the watchers still know exactly what was defined.
-        self._models_text = b""
-        self._definitions_missing = False
         self.decisions: dict[str, Decision] = {}
         self.views: dict[str, ModelView] = {}
         self.passes = 0
@@ -197,17 +181,6 @@ class Watcher:
         self._quiet_until = -inf
         self._verify_skips = verify_file()
         self.last_pass_cpu_s = 0.0
-        self._scaled_at: dict[str, tuple[int, float]] = {}
-        # When the watcher saw each job's count change (-inf: not since it started), for the
-        # step rate limit; and the load each model had over the recent passes.
-        self._stepped_at: dict[str, tuple[int, float]] = {}
-        self.load = LoadHistory(self.config.scale_up_window_s)
-        # The last pass that saw requests in flight per model: a request the watcher saw is
-        # activity, whatever (or however poisoned) the router's activity key says after it.
-        self._last_in_flight: dict[str, float] = {}
-        # Which start each allocation's passing check vouches for (`sightings.py`).
-        self.sightings = StartSightings()
-        self._malformed_reported: set[tuple[str, int]] = set()
         self._tasks: list[asyncio.Task[None]] = []
         self._executor: ThreadPoolExecutor | None = None
         self._apply_lock = asyncio.Lock()
@@ -220,7 +193,43 @@ class Watcher:
         self.broken = BrokenModels()
         # States written under the leader's lock, and the actions that write them.
         self.states = FencedStates(consul, self.leadership)
+        # What outlives a pass, and the views made from it and a pass's readings (`views.py`).
+        self.memory = ViewBuilder(
+            self.states,
+            up_window_s=self.config.scale_up_window_s,
+            activity_interval_s=self.config.activity_interval_s,
+            scale_step_interval_s=self.config.scale_step_interval_s,
+        )
         self.actor = Actor(nomad, self.leadership, self.states, self.engine_errors, clock)
+
+    @property
+    def models(self) -> dict[str, Model]:
+        return self.memory.definitions.models
+
+    @models.setter
+    def models(self, models: dict[str, Model]) -> None:
+        self.memory.definitions.models = models
+
+    @property
+    def definitions_problem(self) -> str:
+        return self.memory.definitions.problem
+
+    @property
+    def load(self) -> LoadHistory:
+        return self.memory.load
+
+    def build_views(self, now: float | None = None) -> dict[str, ModelView]:
+        kv = self.kv.snapshot
+        return self.memory.build(
+            self.clock() if now is None else now,
+            kv.data if kv else {},
+            kv.index if kv else None,
+            self.jobs.snapshot.data if self.jobs.snapshot else {},
+            self.allocs.snapshot.data if self.allocs.snapshot else None,
+            self.evals.snapshot.data if self.evals.snapshot else (),
+            self.engines.snapshot.data if self.engines.snapshot else (),
+            self.nodes.snapshot.data if self.nodes.snapshot else None,
+        )
 
     # Lifecycle
 
@@ -306,154 +315,6 @@ class Watcher:
 
     # Reading snapshots
 
-    def _load_models(self, kv: Mapping[str, KVEntry]) -> None:
-        entry = kv.get(CONFIG_MODELS_KEY)
-        index = entry.modify_index if entry else 0
-        if index == self._models_index:
-            return
-        self._models_index = index
-        if entry is None:
-            if self.models:
-                log.warning(
-                    "event=definitions_missing key=%s keeping=%d", CONFIG_MODELS_KEY, len(self.models)
-                )
-                self._definitions_missing = True
-            return
-        self._definitions_missing = False
-        origin = f"consul:{CONFIG_MODELS_KEY}"
-        try:
-            parsed = parse_models(decode_models_text(entry.value, origin), origin)
-        except SpecError as exc:
-            # Keep serving the last good definitions: a typo must not stop every model.
-            self.definitions_problem = "; ".join(exc.problems)
-            log.error("event=definitions_invalid key=%s problems=%r", CONFIG_MODELS_KEY, exc.problems)
-            return
-        self.definitions_problem = ""
-        self.models = dict(parsed.models)
-        self._models_text = entry.value
-        log.info("event=definitions_loaded models=%d", len(self.models))
-
-    def _state_for(self, model: str, kv: Mapping[str, KVEntry]) -> tuple[ModelState | None, int, str]:
-        key = state_key(model)
-        entry = kv.get(key)
-        index = entry.modify_index if entry else 0
-        written = self.states.pending(model)
-        if written is not None and written[0] > index:
-            return written[1], written[0], ""
-        if entry is None:
-            return None, 0, ""
-        try:
-            return parse_state(key, entry.value), index, ""
-        except MalformedState as exc:
-            if (key, index) not in self._malformed_reported:
-                self._malformed_reported.add((key, index))
-                log.error(
-                    "event=state_malformed model=%s key=%s error=%r action=replace", model, key, str(exc)
-                )
-            return None, index, str(exc)
-
-    def build_views(self, now: float | None = None) -> dict[str, ModelView]:
-        now = self.clock() if now is None else now
-        kv = self.kv.snapshot.data if self.kv.snapshot else {}
-        if self.kv.snapshot is not None:
-            self.states.settle(self.kv.snapshot.index)
-        self._load_models(kv)
-        jobs = self.jobs.snapshot.data if self.jobs.snapshot else {}
-        allocs_by_job: dict[str, list[dict[str, Any]]] = {}
-        allocs_by_id: dict[str, dict[str, Any]] = {}
-        for a in self.allocs.snapshot.data if self.allocs.snapshot else ():
-            allocs_by_job.setdefault(str(a.get("JobID")), []).append(a)
-            allocs_by_id[str(a.get("ID"))] = a
-        evals_by_job: dict[str, list[dict[str, Any]]] = {}
-        for e in self.evals.snapshot.data if self.evals.snapshot else ():
-            evals_by_job.setdefault(str(e.get("JobID")), []).append(e)
-
-        # The starts passing their check now: a fact of these snapshots, not a memory. Which
-        # start was ever healthy outlives it only through the model's stored count (baseline).
-        passing_now = self.sightings.passing(
-            self.engines.snapshot.data if self.engines.snapshot else (),
-            allocs_by_id,
-        )
-        ready, healthy = passing_now.ready, passing_now.healthy
-
-        in_flight, busy, grace = requests_in_flight(kv, now, self.config.activity_interval_s)
-        asked = asks(kv, now)
-        views: dict[str, ModelView] = {}
-        for name, model in self.models.items():
-            job_id, previous_id = choose_jobs(model, jobs, passing_now.ready_by_job)
-            job = jobs.get(job_id)
-            previous = None
-            if previous_id is not None:
-                previous_allocs = allocs_by_job.get(previous_id, ())
-                previous = PreviousJob(
-                    previous_id,
-                    jobs[previous_id],
-                    passing_now.ready_by_job.get(previous_id, 0),
-                    sum(
-                        1
-                        for a in previous_allocs
-                        if a.get("DesiredStatus") == "run" and a.get("ClientStatus") in ("pending", "running")
-                    ),
-                )
-            _, count = job_group(job)
-            seen = self._scaled_at.get(job_id)
-            if seen is None or seen[0] != count:
-                # First sight after a start counts as "just scaled", which only delays a
-                # scale-down by one idle timeout; never the other way round.
-                self._scaled_at[job_id] = seen = (count, now)
-            stepped = self._stepped_at.get(job_id)
-            if stepped is None or stepped[0] != count:
-                self._stepped_at[job_id] = stepped = (count, -inf if stepped is None else now)
-            state, index, problem = self._state_for(name, kv)
-            activity_entry = kv.get(f"{ACTIVITY_PREFIX}{name}")
-            requests = in_flight.get(name, 0)
-            if requests > 0:
-                self._last_in_flight[name] = now
-            activity = parse_activity(activity_entry.value, now) if activity_entry else None
-            seen_busy = self._last_in_flight.get(name)
-            if seen_busy is not None:
-                activity = seen_busy if activity is None else max(activity, seen_busy)
-            load = self.load.observe(name, now, requests, count, model.scale_down_delay_s)
-            model_allocs = allocs_by_job.get(job_id, ())
-            views[name] = ModelView(
-                model=model,
-                job=job,
-                allocs=tuple(model_allocs),
-                evals=tuple(evals_by_job.get(job_id, ())),
-                # The current definition's: a previous one's serving replicas are not its own.
-                ready=max(0, ready.get(name, 0) - (previous.ready if previous is not None else 0)),
-                healthy_starts=healthy,
-                state=state,
-                state_index=index,
-                state_problem=problem,
-                activity=activity,
-                scaled_at=seen[1],
-                now=now,
-                in_flight=requests,
-                busy_replicas=len(busy.get(name, ())),
-                in_flight_average=load.average,
-                load_held=load.held,
-                busy_floor=busy_floor_of(
-                    busy.get(name, set()), allocs_by_id, requests, model.target_in_flight, count=count
-                ),
-                since_step_s=now - stepped[1],
-                step_interval_s=self.config.scale_step_interval_s,
-                asks=asked.get(name, ()),
-                activity_grace_s=grace,
-                fabric_rooms=self._fabric_rooms(model),
-                job_id=job_id,
-                previous=previous,
-            )
-        return views
-
-    def _fabric_rooms(self, model: Model) -> tuple[FabricRoom, ...] | None:
-        """A multi-node model's room in each fabric, its own replica's nodes counted as free."""
-        if model.profile.nodes <= 1 or self.nodes.snapshot is None or self.allocs.snapshot is None:
-            return None
-        others = [dict(a) for a in self.allocs.snapshot.data if a.get("JobID") != model.job_id]
-        nodes = eligible_nodes(self.nodes.snapshot.data, model.profile)
-        return tuple(fabric_rooms(nodes, others, model.name))
-
     async def _forget_gone_routers(self) -> None:
         now = self.clock()
         if now - self._routers_checked_at < INFLIGHT_FORGET_AFTER_S / 60:
@@ -468,18 +329,6 @@ class Watcher:
         return all(w.snapshot is not None and w.ok for w in watches)
 
     # The pass
-
-    async def _restore_definitions(self) -> None:
-        # cas=0 writes only if the key is still absent, so an operator's apply in the meantime
-        # always wins over this copy.
-        try:
-            restored = await self.consul.kv_put(CONFIG_MODELS_KEY, self._models_text, cas=0)
-        except ConsulError as exc:
-            log.warning("event=definitions_restore_failed key=%s error=%r", CONFIG_MODELS_KEY, str(exc))
-            return
-        self._definitions_missing = False
-        if restored:
-            log.warning("event=definitions_restored key=%s models=%d", CONFIG_MODELS_KEY, len(self.models))
 
     async def run_pass(self) -> None:
         # Taken before the snapshots are read: what a watch brings in meanwhile is news still.
@@ -517,8 +366,7 @@ class Watcher:
         # What the load asked for this pass is what a later, lower load must outlast.
         for name, d in decisions.items():
             self.load.record(name, views[name].now, d.recommendation)
-        self.load.keep_only(self.models)
-        self._last_in_flight = {m: t for m, t in self._last_in_flight.items() if m in self.models}
+        self.memory.keep_only_defined()
         self.views, self.decisions = views, decisions
         self.replicas = self._build_replicas(views)
         self.passes += 1
@@ -526,9 +374,10 @@ class Watcher:
             return True
         if not self.ready_to_act():
             return False
-        if self._definitions_missing and self._models_text:
-            await self._restore_definitions()
-            if self._definitions_missing:
+        definitions = self.memory.definitions
+        if definitions.missing and definitions.text:
+            await definitions.restore(self.consul)
+            if definitions.missing:
                 return False
         complete = True
         async with self._apply_lock:

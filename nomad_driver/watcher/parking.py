@@ -28,7 +28,7 @@ from typing import Any
 
 from nomad_driver import gpu_check
 from nomad_driver.fields import as_int
-from nomad_driver.spec import redact
+from nomad_driver.redaction import redact
 
 # Attempts that fail before the engine ever runs; each is one failed start.
 _FAILED_BEFORE_START = {
