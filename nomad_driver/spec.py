@@ -91,9 +91,10 @@ class Profile(BaseModel):
     # processes on `nodes` distinct nodes of one fabric. `gpus` is then per node.
     nodes: int = Field(default=1, ge=1, le=64)
     # How a new definition replaces a serving one (watcher/rollout.py): `surge` starts it beside
-    # the serving replicas and stops them once it is ready, which needs room for both; `replace`
-    # registers it over them, all at once, as on a cluster with no room to spare.
-    update: Literal["surge", "replace"] = "surge"
+    # the serving replicas and stops them once it is ready, waiting for room for both; `rolling`
+    # does the same where there is room and, where there is not, stops one old replica at a time
+    # as each new one turns ready; `replace` registers it over them, all at once.
+    update: Literal["surge", "rolling", "replace"] = "surge"
 
     @field_validator("args", mode="before")
     @classmethod

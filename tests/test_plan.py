@@ -39,7 +39,8 @@ DEMO_REASON = "no node has 1 x nvidia/gpu with memory >= 94000 MiB: 3 nodes filt
 TOP_KEYS = {"outcome", "exit_code", "summary", "problems", "models"}
 SUMMARY_KEYS = {"added", "changed", "removed", "unchanged", "conflict", "fits_nowhere"}
 MODEL_KEYS = {
-    "model", "job_id", "change", "fields", "replaces_replicas", "on_demand", "placement", "notes", "surge_from"
+    "model", "job_id", "change", "fields", "replaces_replicas", "on_demand", "placement", "notes", "surge_from",
+    "update",
 }  # fmt: skip
 FIELD_KEYS = {"field", "old", "new"}
 PLACEMENT_KEYS = {"fits", "count", "reason", "candidates", "preempts", "updates", "fabric", "nodes"}
@@ -409,7 +410,17 @@ def test_a_new_definition_of_a_running_model_is_planned_beside_it_or_said_to_wai
     assert code == 7 and not wide["placement"]["fits"], wide
     text = run("plan", str(path)).stdout
     assert "CANNOT SURGE: no room for 1 replica of the new definition beside those of llmgw-wide: " in text
-    assert "the update waits for room while llmgw-wide serves; a profile's `update: replace`" in text
+    assert "the update waits for room while llmgw-wide serves; a profile's `update: rolling`" in text
+    # With `update: rolling`, it rolls one replica at a time, and says so.
+    path.write_text(
+        ROLLOUT.format(gpus=5, file="v3.gguf").replace(
+            "node_pool: gpu", "node_pool: gpu\n    update: rolling"
+        )
+    )
+    code, doc = plan_json(path)
+    (wide,) = doc["models"]
+    assert wide["update"] == "rolling" and wide["surge_from"] == "llmgw-wide", wide
+    assert "rolls one replica at a time (`update: rolling`)" in run("plan", str(path)).stdout
     # With `update: replace`, it is planned over the running job, as before.
     path.write_text(
         ROLLOUT.format(gpus=5, file="v3.gguf").replace(

@@ -142,3 +142,20 @@ def test_reconcile_registers_the_new_definition_at_the_second_id_and_parks_it_al
     assert health == "warning"
     assert text.startswith("update failed: unknown model architecture") and "serving the previous" in text
     assert old_job["ID"] == FIRST
+
+
+def test_rolling_with_no_room_stops_one_old_replica_per_new_one_ready() -> None:
+    text = MODELS.format(file="new.gguf").replace("gpus: 1", "gpus: 1\n    update: rolling")
+    rolling = parse_models(text).models["m"]
+    assert rolling.def_hash == NEW.def_hash, "how it rolls out is not part of the definition"
+    no_room = ModelState(unplaceable=True, placement_reason="no room")
+    (scale,) = previous_steps(rolling, previous(count=2), no_room, ready=0, desired=2)
+    assert isinstance(scale, Scale) and (scale.job_id, scale.count) == (FIRST, 1)
+    # The room made, the new replica loads: nothing more stops until it is ready.
+    assert previous_steps(rolling, previous(count=1), no_room, ready=0, desired=2) == []
+    (scale,) = previous_steps(rolling, previous(count=1), ModelState(short=True), ready=1, desired=2)
+    assert isinstance(scale, Scale) and scale.count == 0
+    # With room, rolling surges: nothing stops while the new replicas load.
+    assert previous_steps(rolling, previous(count=2), ModelState(), ready=0, desired=2) == []
+    # Surge waits for room, whatever it takes.
+    assert previous_steps(NEW, previous(count=2), no_room, ready=0, desired=2) == []

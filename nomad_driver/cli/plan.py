@@ -69,8 +69,10 @@ class ModelPlan:
     on_demand: bool = False  # min 0: planned at 1 replica, as its first request would ask
     placement: Placement | None = None
     notes: list[str] = field(default_factory=list)
-    # A rollout: the job whose running replicas the new definition starts beside (rollout.py).
+    # A rollout: the job whose running replicas the new definition starts beside (rollout.py),
+    # and how, when there is no room beside them (the profile's `update`).
     surge_from: str = ""
+    update: str = ""
 
 
 @dataclass
@@ -381,7 +383,7 @@ def plan_models(models: ModelSet, *, consul: Consul | None = None, nomad: Nomad 
             continue
         if rolls_out(model, job):
             # Planned as the watcher does it: the new definition's own job beside the running one.
-            mp.surge_from = job_id
+            mp.surge_from, mp.update = job_id, model.profile.update
             mp.placement, mp.on_demand = plan_placement(
                 nomad, fleet, model, job, job_id=other_job_id(model, job_id)
             )

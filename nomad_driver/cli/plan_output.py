@@ -48,12 +48,18 @@ def _placement_lines(m: ModelPlan, p: Placement) -> list[str]:
 
 def _surge_lines(m: ModelPlan, p: Placement) -> list[str]:
     replicas = f"{p.count} replica{'s' if p.count != 1 else ''}"
+    if not p.fits and m.update == "rolling":
+        return [
+            f"    no room for {replicas} of the new definition beside those of {m.surge_from}: {p.reason}",
+            f"    rolls one replica at a time (`update: rolling`): a replica of {m.surge_from} stops to make "
+            "room for each new one, once the one before is ready; at most one replica's capacity is lost",
+        ]
     if not p.fits:
         return [
             f"    CANNOT SURGE: no room for {replicas} of the new definition beside those of {m.surge_from}: "
             f"{p.reason}",
-            f"    the update waits for room while {m.surge_from} serves; a profile's `update: replace` "
-            "replaces its replicas in place instead (all at once)",
+            f"    the update waits for room while {m.surge_from} serves; a profile's `update: rolling` "
+            "rolls one replica at a time instead, `update: replace` replaces them all at once",
         ]
     return [
         f"    rolls out beside {m.surge_from}: {replicas} of the new definition start while its replicas "

@@ -89,9 +89,24 @@ def previous_steps(
     ready (or failed), drained once it is, stopped once drained."""
     if state.parked:
         return []  # the update failed: the previous definition keeps serving
-    if ready < max(desired, 1) and desired > 0:
-        return []  # still starting: both serve, routers prefer the new one's ready replicas
     group, count = job_group(previous.job)
+    if ready < max(desired, 1) and desired > 0:
+        keep = max(0, desired - ready - 1)
+        if model.profile.update == "rolling" and (state.unplaceable or state.short) and count > keep:
+            # No room for the new replicas beside the old: one old replica makes room at a time,
+            # as each new one turns ready, so at most one replica's capacity is lost meanwhile.
+            return [
+                Scale(
+                    model.name,
+                    previous.job_id,
+                    group,
+                    keep,
+                    f"llmgw: no room for {model.name}'s new definition beside the previous one; "
+                    f"rolling one replica at a time ({ready} of {desired} new replicas ready)",
+                    "rollout",
+                )
+            ]
+        return []  # still starting: both serve, routers prefer the new one's ready replicas
     if count > 0:
         return [
             Scale(
@@ -136,7 +151,7 @@ def rolls_out(model: Model, job: Mapping[str, Any] | None) -> bool:
     beside them (a profile's `update: replace` registers it over them instead)."""
     return (
         model.profile.nodes <= 1
-        and model.profile.update == "surge"
+        and model.profile.update != "replace"
         and isinstance(job, Mapping)
         and not job.get("Stop")
         and job_def_hash(job) != model.def_hash

@@ -81,10 +81,14 @@ def world(
     engines: Path,
     text: str,
     replicas: int,
+    node_memory_mib: int | None = None,
 ) -> tuple[Any, WatcherThread, RunningRouter]:
     # Nomad's clock five times as fast: restart delays and the drain's shutdown_delay shrink,
     # llama-server's load does not.
-    standin = start_standin(nodes=[llama_cpp_node("cpu-0", engines)], clock_speed=5.0)
+    node = llama_cpp_node("cpu-0", engines)
+    if node_memory_mib is not None:
+        node["memory_mib"] = node_memory_mib
+    standin = start_standin(nodes=[node], clock_speed=5.0)
     put_kv(consul_url, "llmgw/config/models", text)
     router = start_router(consul_url, activation=True, activity_interval_s=0.5)
     watcher = watcher_for(consul_url, standin.url, activity_interval_s=0.5)
@@ -197,3 +201,66 @@ def test_a_broken_new_definition_is_parked_while_the_old_one_serves_and_applying
     )
     assert model_status(watcher.watcher, "slots")["job_id"] == FIRST
     assert 'llmgw_model_update_failed{model="slots"} 0.0' in gauges(watcher)
+
+
+def test_with_no_room_beside_a_rolling_update_replaces_one_replica_at_a_time_and_keeps_serving(
+    consul_url: str,
+    start_standin: Callable[..., Any],
+    start_router: StartRouter,
+    watcher_for: Callable[..., WatcherThread],
+    llama_cpp_engines: Path,
+    make_gguf: Callable[..., Path],
+) -> None:
+    def rolling(gguf: Path) -> str:
+        return models(gguf, 2).replace(
+            'args: ["--parallel", "1"]', 'args: ["--parallel", "1"]\n    update: rolling'
+        )
+
+    first = rolling(make_gguf(name="first.gguf", seed=1))
+    second = rolling(make_gguf(name="second.gguf", seed=2))
+    new_hash = parse_models(second).models["slots"].def_hash
+    # Room for two of the 512 MiB replicas, not four: the new ones cannot start beside the old.
+    standin, watcher, router = world(
+        consul_url,
+        start_standin,
+        start_router,
+        watcher_for,
+        llama_cpp_engines,
+        first,
+        2,
+        node_memory_mib=1100,
+    )
+    old_counts: list[int] = []
+    fewest_ready = [2]
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            n = count(standin, FIRST)
+            if not old_counts or old_counts[-1] != n:
+                old_counts.append(n)
+            fewest_ready[0] = min(fewest_ready[0], ready(router))
+            time.sleep(0.05)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    with load([router], clients=1) as steady:
+        wait_until(lambda: len(steady.statuses) >= 3, 60, "the load to run")
+        sampler.start()
+        put_kv(consul_url, "llmgw/config/models", second)
+        wait_until(
+            lambda: serving_hashes(router) == {new_hash} and ready(router) == 2,
+            180,
+            "both replicas on the new definition",
+        )
+        wait_until(lambda: (job(standin, FIRST) or {}).get("Stop") is True, 60, "the old job stopped")
+        time.sleep(1)
+    stop.set()
+    sampler.join(5)
+    assert steady.errors == [] and set(steady.statuses) == {200}, steady.errors[:3]
+    # One old replica at a time made room, and one always served.
+    assert old_counts[:3] == [2, 1, 0], old_counts
+    assert fewest_ready[0] >= 1, fewest_ready
+    wait_until(
+        lambda: model_status(watcher.watcher, "slots")["previous_job_id"] == "", 30, "no previous job left"
+    )
+    assert model_status(watcher.watcher, "slots")["job_id"] == SECOND
