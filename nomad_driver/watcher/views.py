@@ -240,18 +240,23 @@ class ViewBuilder:
                 step_interval_s=self.scale_step_interval_s,
                 asks=asked.get(name, ()),
                 activity_grace_s=grace,
-                fabric_rooms=self._fabric_rooms(model, nodes, allocs),
+                fabric_rooms=self._fabric_rooms(model, job_id, nodes, allocs),
                 job_id=job_id,
                 previous=previous,
             )
         return views
 
     def _fabric_rooms(
-        self, model: Model, nodes: Sequence[Mapping[str, Any]] | None, allocs: Sequence[dict[str, Any]] | None
+        self,
+        model: Model,
+        job_id: str,
+        nodes: Sequence[Mapping[str, Any]] | None,
+        allocs: Sequence[dict[str, Any]] | None,
     ) -> tuple[FabricRoom, ...] | None:
-        """A multi-node model's room in each fabric, its own replica's nodes counted as free."""
+        """A multi-node model's room in each fabric, the nodes of its current job's replica
+        counted as free (a previous definition's, rolled out beside, are taken)."""
         if model.profile.nodes <= 1 or nodes is None or allocs is None:
             return None
-        others = [dict(a) for a in allocs if a.get("JobID") != model.job_id]
+        others = [dict(a) for a in allocs if a.get("JobID") != job_id]
         eligible = eligible_nodes(nodes, model.profile)
         return tuple(fabric_rooms(eligible, others, model.name))
