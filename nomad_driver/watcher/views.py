@@ -30,7 +30,7 @@ from nomad_driver.state import (
 from nomad_driver.watcher.decisions import ModelView, PreviousJob
 from nomad_driver.watcher.fenced import FencedStates
 from nomad_driver.watcher.in_flight import asks, requests_in_flight
-from nomad_driver.watcher.job_facts import job_group
+from nomad_driver.watcher.job_facts import job_def_hash, job_group
 from nomad_driver.watcher.replicas import busy_floor_of
 from nomad_driver.watcher.rollout import choose_jobs
 from nomad_driver.watcher.scaling import LoadHistory
@@ -185,10 +185,13 @@ class ViewBuilder:
             previous = None
             if previous_id is not None:
                 previous_allocs = allocs_by_job.get(previous_id, ())
+                # Its replicas by the definition their service carries, not by their allocation:
+                # an engine whose allocation this reading lacks is still the old definition's.
+                previous_hash = job_def_hash(jobs[previous_id])
                 previous = PreviousJob(
                     previous_id,
                     jobs[previous_id],
-                    passing_now.ready_by_job.get(previous_id, 0),
+                    passing_now.ready_by_definition.get((name, previous_hash), 0),
                     sum(
                         1
                         for a in previous_allocs

@@ -124,11 +124,16 @@ def test_a_new_definition_serves_before_the_old_one_stops_with_no_failed_request
     stop = threading.Event()
 
     def sample() -> None:
+        # From Consul, as the watcher decides: a router's own reading of it may lag a moment.
         while not stop.is_set():
-            new_ready = sum(
-                1 for r in router.app.discovery.snapshot.ready.get("slots", ()) if r.def_hash == new_hash
-            )
-            if count(standin, FIRST) == 0 and not new_ready_when_old_left:
+            old_count = count(standin, FIRST)
+            entries = httpx.get(
+                f"{consul_url}/v1/health/service/llmgw-engine",
+                params={"passing": "1", "tag": "model=slots"},
+                timeout=10,
+            ).json()
+            new_ready = sum(1 for e in entries if e["Service"]["Meta"].get("def_hash") == new_hash)
+            if old_count == 0 and not new_ready_when_old_left:
                 new_ready_when_old_left.append(new_ready)
             time.sleep(0.05)
 
@@ -241,11 +246,18 @@ def test_with_no_room_beside_a_rolling_update_replaces_one_replica_at_a_time_and
     stop = threading.Event()
 
     def sample() -> None:
+        # Replicas ready as Consul says, which the watcher decides by (a router's reading of it
+        # may lag a moment, and a request then waits for it rather than fails).
         while not stop.is_set():
             n = count(standin, FIRST)
             if not old_counts or old_counts[-1] != n:
                 old_counts.append(n)
-            fewest_ready[0] = min(fewest_ready[0], ready(router))
+            entries = httpx.get(
+                f"{consul_url}/v1/health/service/llmgw-engine",
+                params={"passing": "1", "tag": "model=slots"},
+                timeout=10,
+            ).json()
+            fewest_ready[0] = min(fewest_ready[0], len(entries))
             time.sleep(0.05)
 
     sampler = threading.Thread(target=sample, daemon=True)
