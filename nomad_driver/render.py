@@ -153,7 +153,7 @@ def render_job(model: Model, *, namespace: str | None = None, job_id: str | None
     the model's second job ID, for a definition rolled out beside a serving one (a single-node
     model's; watcher/rollout.py)."""
     if model.profile.nodes > 1:
-        return render_replica_job(model, 0, namespace=namespace)
+        return render_replica_job(model, 0, namespace=namespace, job_id=job_id)
     p = model.profile
     weights = weights_for(model.source)
     driver, config = _engine_task_config(model, weights)
@@ -466,15 +466,21 @@ def _shell_word(word: str) -> str:
 
 
 def render_replica_job(
-    model: Model, replica: int, *, namespace: str | None = None, fabric: str | None = None
+    model: Model,
+    replica: int,
+    *,
+    namespace: str | None = None,
+    fabric: str | None = None,
+    job_id: str | None = None,
 ) -> dict[str, Any]:
     """Replica `replica` of a multi-node model: the leader group and the shard group, each on a
     node of its own (`distinct_hosts`), every one asking for all of its node's GPUs. The replica
     runs when the model's replica count reaches it: the first `replicas.min` are rendered at
     full count, the others at 0, ready to be scaled up. With `fabric` (the watcher's choice),
-    every shard is pinned to that fabric's nodes."""
+    every shard is pinned to that fabric's nodes. `job_id`: the model's second job ID, for a
+    definition rolled out beside a serving one (watcher/rollout.py)."""
     p = model.profile
-    job_id = replica_job_id(model, replica)
+    job_id = job_id or replica_job_id(model, replica)
     # The single-node job is the base: same meta, placement, policies and leader service.
     one = dataclasses.replace(model, profile=p.model_copy(update={"nodes": 1}))
     job = render_job(one, namespace=namespace)

@@ -32,6 +32,7 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
 ROUTER_MAY_IMPORT = frozenset(
     {
         "nomad_driver.spec",  # definitions
+        "nomad_driver.redaction",  # the one masking of credentials in what it shows
         "nomad_driver.state",  # the KV contract
         "nomad_driver.consul",  # the one Consul client
         "nomad_driver.blocking",  # the one blocking-query loop

@@ -184,7 +184,10 @@ def test_a_changed_running_replica_is_planned_and_applied_whole_in_its_fabric(
     httpx.put(f"{consul_url}/v1/kv/{CONFIG_MODELS_KEY}", content=old_text, timeout=10).raise_for_status()
 
     path = tmp_path / "models.yaml"
-    path.write_text(models_text(2, source="file:///nowhere/split-v2.gguf"))
+    # No other fabric has two free nodes, so a rollout beside it could only wait (`surge`, the
+    # default, plans "CANNOT SURGE"): `update: replace` replaces it in place, in its fabric.
+    changed = models_text(2, source="file:///nowhere/split-v2.gguf")
+    path.write_text(changed.replace("nodes: 2\n", "nodes: 2\n    update: replace\n", 1))
     code, doc = plan_json(path)
     assert code == 6, doc
     (split,) = doc["models"]

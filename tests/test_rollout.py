@@ -88,15 +88,13 @@ def test_someone_elses_job_at_the_second_id_is_never_used() -> None:
     assert choose_jobs(NEW, {FIRST: job(OLD, FIRST), SECOND: theirs}, {FIRST: 2}) == (FIRST, None)
 
 
-def test_multi_node_models_are_replaced_in_place() -> None:
-    text = (
-        MODELS.format(file="new.gguf")
-        .replace("gpus: 1", "gpus: 1\n    nodes: 2")
-        .replace("{min: 2, max: 2}", "{min: 1, max: 1}")
-    )
-    wide = parse_models(text).models["m"]
+def test_a_multi_node_models_new_definition_goes_beside_it_too() -> None:
+    text = MODELS.format(file="new.gguf").replace("gpus: 1", "gpus: 1\n    nodes: 2")
+    wide = parse_models(text.replace("{min: 2, max: 2}", "{min: 1, max: 1}")).models["m"]
     old_job = job(OLD, FIRST)
-    assert choose_jobs(wide, {FIRST: old_job}, {FIRST: 1}) == (FIRST, None)
+    assert choose_jobs(wide, {FIRST: old_job}, {FIRST: 1}) == (SECOND, FIRST)
+    # Serving nothing, it is replaced in place, as a single-node model is.
+    assert choose_jobs(wide, {FIRST: old_job}, {}) == (FIRST, None)
 
 
 def previous(count: int = 2, live: int = 2, ready: int = 2) -> PreviousJob:

@@ -81,7 +81,7 @@ def register_jobs(
     fleet = Fleet(nomad)  # read only for a multi-node model, to pin it to a fabric
     for name, model in sorted(models.models.items()):
         first, second = job_ids(model)
-        both = {first: jobs.get(name), second: nomad.get_job(second) if model.profile.nodes <= 1 else None}
+        both = {first: jobs.get(name), second: nomad.get_job(second)}
         job_id, current = running_job(model, both)
         if current is not None and job_is_current(current, model):
             result.unchanged.append(name)

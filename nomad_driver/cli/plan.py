@@ -369,7 +369,7 @@ def plan_models(models: ModelSet, *, consul: Consul | None = None, nomad: Nomad 
         first, second = job_ids(model)
         both = {
             first: nomad.get_job(first),
-            second: nomad.get_job(second) if model.profile.nodes <= 1 else None,
+            second: nomad.get_job(second),
         }
         job_id, job = running_job(model, both)
         mp = classify(model, stored.models.get(name) if stored else None, job)

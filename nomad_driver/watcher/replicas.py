@@ -27,6 +27,13 @@ def passing(entry: Mapping[str, Any]) -> bool:
     )
 
 
+def entry_def_hash(entry: Mapping[str, Any]) -> str:
+    """The definition an engine's service says it runs (its meta `def_hash`), "" if none."""
+    svc = entry.get("Service")
+    meta = svc.get("Meta") if isinstance(svc, dict) else None
+    return str(meta.get("def_hash") or "") if isinstance(meta, dict) else ""
+
+
 def entry_model(entry: Mapping[str, Any]) -> str:
     svc = entry.get("Service")
     if not isinstance(svc, dict):

@@ -17,8 +17,9 @@ to the other one:
   as current (it matches, and serves), and the failed one is drained in its turn.
 
 Nothing to protect, nothing to overlap: a model whose job serves nothing (on demand and idle,
-crash-looping, parked) and a multi-node model (its fabric pinning works on one job; to do)
-have the new definition registered over their job, in place, as before.
+crash-looping, parked) has the new definition registered over its job, in place, as before. A
+multi-node model's new replica is pinned to a fabric with room beside the serving one (its nodes
+count as taken); with none, it waits (`surge`) or the old replica stops first (`rolling`).
 
 Pure: which job is which follows from Nomad's jobs and the engines' checks alone, so a
 leader that took over mid-rollout carries on where the last one was.
@@ -71,10 +72,9 @@ def choose_jobs(
         current = next((jid for jid in matching if jid in live), matching[0])
     else:
         serving = [jid for jid in live if ready_by_job.get(jid, 0) > 0]
-        if not serving or model.profile.nodes > 1 or model.profile.update == "replace" or taken:
-            # Nothing serves, a profile that says `update: replace`, or a multi-node model (its
-            # fabric pinning works on one job; to do: roll one replica job at a time): replaced
-            # in place, over the job that runs.
+        if not serving or model.profile.update == "replace" or taken:
+            # Nothing serves, or a profile that says `update: replace`: replaced in place, over
+            # the job that runs.
             return (serving or live or [first if a is not None or b is None else second])[0], None
         source = max(serving, key=lambda jid: (ready_by_job.get(jid, 0), jid == first))
         current = second if source == first else first
@@ -150,8 +150,7 @@ def rolls_out(model: Model, job: Mapping[str, Any] | None) -> bool:
     """A new definition of a single-node model whose job runs replicas: the watcher starts it
     beside them (a profile's `update: replace` registers it over them instead)."""
     return (
-        model.profile.nodes <= 1
-        and model.profile.update != "replace"
+        model.profile.update != "replace"
         and isinstance(job, Mapping)
         and not job.get("Stop")
         and job_def_hash(job) != model.def_hash

@@ -27,15 +27,17 @@ from typing import Any
 
 from nomad_driver.fields import as_int
 from nomad_driver.watcher import parking
-from nomad_driver.watcher.replicas import entry_alloc_id, entry_model, passing
+from nomad_driver.watcher.replicas import entry_alloc_id, entry_def_hash, entry_model, passing
 
 
 @dataclass(frozen=True)
 class Passing:
     ready: dict[str, int]  # engines passing their check, per model
     healthy: frozenset[parking.StartId]  # the starts those checks vouch for
-    # Of them, those whose allocation Nomad lists, per job (a rollout runs two per model).
+    # Of them, those whose allocation Nomad lists, per job (a rollout runs two per model), and
+    # all of them per model and the definition their service says they run.
     ready_by_job: dict[str, int] = field(default_factory=dict)
+    ready_by_definition: dict[tuple[str, str], int] = field(default_factory=dict)
 
 
 @dataclass
@@ -64,12 +66,15 @@ class StartSightings:
         """The engines passing in Consul's answer, and the starts they vouch for in Nomad's."""
         ready: dict[str, int] = {}
         ready_by_job: dict[str, int] = {}
+        ready_by_definition: dict[tuple[str, str], int] = {}
         healthy: set[parking.StartId] = set()
         for entry in entries:
             ok = passing(entry)
             if ok:
                 model = entry_model(entry)
                 ready[model] = ready.get(model, 0) + 1
+                defined = (model, entry_def_hash(entry))
+                ready_by_definition[defined] = ready_by_definition.get(defined, 0) + 1
             alloc_id = entry_alloc_id(entry)
             alloc = allocs_by_id.get(alloc_id) if alloc_id else None
             if alloc_id is None or alloc is None:
@@ -92,4 +97,4 @@ class StartSightings:
         # Allocations Nomad no longer lists are done with.
         for gone in set(self._episodes) - set(allocs_by_id):
             del self._episodes[gone]
-        return Passing(ready, frozenset(healthy), ready_by_job)
+        return Passing(ready, frozenset(healthy), ready_by_job, ready_by_definition)

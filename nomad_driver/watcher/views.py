@@ -30,7 +30,7 @@ from nomad_driver.state import (
 from nomad_driver.watcher.decisions import ModelView, PreviousJob
 from nomad_driver.watcher.fenced import FencedStates
 from nomad_driver.watcher.in_flight import asks, requests_in_flight
-from nomad_driver.watcher.job_facts import job_group
+from nomad_driver.watcher.job_facts import job_def_hash, job_group
 from nomad_driver.watcher.replicas import busy_floor_of
 from nomad_driver.watcher.rollout import choose_jobs
 from nomad_driver.watcher.scaling import LoadHistory
@@ -185,10 +185,13 @@ class ViewBuilder:
             previous = None
             if previous_id is not None:
                 previous_allocs = allocs_by_job.get(previous_id, ())
+                # Its replicas by the definition their service carries, not by their allocation:
+                # an engine whose allocation this reading lacks is still the old definition's.
+                previous_hash = job_def_hash(jobs[previous_id])
                 previous = PreviousJob(
                     previous_id,
                     jobs[previous_id],
-                    passing_now.ready_by_job.get(previous_id, 0),
+                    passing_now.ready_by_definition.get((name, previous_hash), 0),
                     sum(
                         1
                         for a in previous_allocs
@@ -240,18 +243,23 @@ class ViewBuilder:
                 step_interval_s=self.scale_step_interval_s,
                 asks=asked.get(name, ()),
                 activity_grace_s=grace,
-                fabric_rooms=self._fabric_rooms(model, nodes, allocs),
+                fabric_rooms=self._fabric_rooms(model, job_id, nodes, allocs),
                 job_id=job_id,
                 previous=previous,
             )
         return views
 
     def _fabric_rooms(
-        self, model: Model, nodes: Sequence[Mapping[str, Any]] | None, allocs: Sequence[dict[str, Any]] | None
+        self,
+        model: Model,
+        job_id: str,
+        nodes: Sequence[Mapping[str, Any]] | None,
+        allocs: Sequence[dict[str, Any]] | None,
     ) -> tuple[FabricRoom, ...] | None:
-        """A multi-node model's room in each fabric, its own replica's nodes counted as free."""
+        """A multi-node model's room in each fabric, the nodes of its current job's replica
+        counted as free (a previous definition's, rolled out beside, are taken)."""
         if model.profile.nodes <= 1 or nodes is None or allocs is None:
             return None
-        others = [dict(a) for a in allocs if a.get("JobID") != model.job_id]
+        others = [dict(a) for a in allocs if a.get("JobID") != job_id]
         eligible = eligible_nodes(nodes, model.profile)
         return tuple(fabric_rooms(eligible, others, model.name))

@@ -6,6 +6,7 @@ the old one serves every request, and applying the old definition again clears i
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Callable
@@ -17,11 +18,16 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from devstack.llama_cpp import llama_cpp_node
+from nomad_driver.placement import job_fabric
 from nomad_driver.spec import parse_models
+from nomad_driver.state import CONFIG_MODELS_KEY
 from nomad_driver.watcher.admin import WatcherCollector, model_status
+from tests.fixtures.llama_cpp import llama_cpp_models
 from tests.router.conftest import RunningRouter, StartRouter, put_kv, wait_until
 from tests.router.fleet import WatcherThread
 from tests.router.test_load_scaling_e2e import load, ready
+from tests.router.test_multinode_replica import allocs_of, ask, fabric_node
+from tests.watcher_support import until, watcher_on_standin
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -118,11 +124,16 @@ def test_a_new_definition_serves_before_the_old_one_stops_with_no_failed_request
     stop = threading.Event()
 
     def sample() -> None:
+        # From Consul, as the watcher decides: a router's own reading of it may lag a moment.
         while not stop.is_set():
-            new_ready = sum(
-                1 for r in router.app.discovery.snapshot.ready.get("slots", ()) if r.def_hash == new_hash
-            )
-            if count(standin, FIRST) == 0 and not new_ready_when_old_left:
+            old_count = count(standin, FIRST)
+            entries = httpx.get(
+                f"{consul_url}/v1/health/service/llmgw-engine",
+                params={"passing": "1", "tag": "model=slots"},
+                timeout=10,
+            ).json()
+            new_ready = sum(1 for e in entries if e["Service"]["Meta"].get("def_hash") == new_hash)
+            if old_count == 0 and not new_ready_when_old_left:
                 new_ready_when_old_left.append(new_ready)
             time.sleep(0.05)
 
@@ -235,11 +246,18 @@ def test_with_no_room_beside_a_rolling_update_replaces_one_replica_at_a_time_and
     stop = threading.Event()
 
     def sample() -> None:
+        # Replicas ready as Consul says, which the watcher decides by (a router's reading of it
+        # may lag a moment, and a request then waits for it rather than fails).
         while not stop.is_set():
             n = count(standin, FIRST)
             if not old_counts or old_counts[-1] != n:
                 old_counts.append(n)
-            fewest_ready[0] = min(fewest_ready[0], ready(router))
+            entries = httpx.get(
+                f"{consul_url}/v1/health/service/llmgw-engine",
+                params={"passing": "1", "tag": "model=slots"},
+                timeout=10,
+            ).json()
+            fewest_ready[0] = min(fewest_ready[0], len(entries))
             time.sleep(0.05)
 
     sampler = threading.Thread(target=sample, daemon=True)
@@ -264,3 +282,79 @@ def test_with_no_room_beside_a_rolling_update_replaces_one_replica_at_a_time_and
         lambda: model_status(watcher.watcher, "slots")["previous_job_id"] == "", 30, "no previous job left"
     )
     assert model_status(watcher.watcher, "slots")["job_id"] == SECOND
+
+
+@pytest.mark.timeout(420)
+async def test_a_multi_node_models_new_definition_starts_in_another_fabric_beside_the_serving_replica(
+    consul_url: str,
+    start_standin: Callable[..., Any],
+    start_router: StartRouter,
+    llama_cpp_engines: Path,
+    make_gguf: Callable[..., Path],
+) -> None:
+    # Two fabrics of two nodes: the new replica cannot share the serving one's nodes, and finds
+    # room in the other fabric.
+    nodes = [fabric_node(f"{f}-{i}", f, llama_cpp_engines) for f in ("ib-a", "ib-b") for i in range(2)]
+    first = llama_cpp_models("tiny-split", make_gguf(name="first.gguf", seed=1), nodes=2)
+    second = llama_cpp_models("tiny-split", make_gguf(name="second.gguf", seed=2), nodes=2)
+    new_hash = parse_models(second).models["tiny-split"].def_hash
+    standin, consul, nomad, watcher = await watcher_on_standin(
+        consul_url, start_standin, first, ident="w1", clock_speed=5.0, nodes=nodes
+    )
+    await watcher.start()
+    answers: list[str] = []
+    stop = threading.Event()
+
+    def steady() -> None:
+        while not stop.is_set():
+            try:
+                answers.append(ask(router.url))
+            except Exception as exc:  # what failed is the assertion's message
+                answers.append(f"{type(exc).__name__}: {exc}")
+            time.sleep(0.2)
+
+    try:
+        router = start_router(consul_url)
+        await asyncio.to_thread(router.wait_ready, "tiny-split", 1, 180)
+        old_fabric = job_fabric(nomad.get_job("llmgw-tiny-split"))
+        client = threading.Thread(target=steady, daemon=True)
+        client.start()
+        await consul.kv_put(CONFIG_MODELS_KEY, second)
+
+        def beside() -> dict[str, Any] | None:
+            job = nomad.get_job("llmgw-tiny-split~b")
+            return job if job is not None and job_fabric(job) else None
+
+        new_job = await until(beside, 60, "the new definition's replica job, pinned")
+        assert job_fabric(new_job) != old_fabric, (job_fabric(new_job), old_fabric)
+        await until(
+            lambda: (
+                {r.def_hash for r in router.app.discovery.snapshot.ready.get("tiny-split", ())} == {new_hash}
+            ),
+            240,
+            "the new replica serving alone",
+        )
+        await until(
+            lambda: (nomad.get_job("llmgw-tiny-split") or {}).get("Stop") is True, 120, "the old job stopped"
+        )
+        served = len(answers)
+        await asyncio.sleep(1)
+        stop.set()
+        client.join(70)
+        assert len(answers) > served
+        assert set(answers) == {"assistant"}, [a for a in answers if a != "assistant"][:3]
+        # The old replica's leader and shard both end, once drained.
+        await until(
+            lambda: (
+                not [a for a in allocs_of(standin.url, "llmgw-tiny-split") if a["ClientStatus"] == "running"]
+            ),
+            60,
+            "the old leader and shard ended",
+        )
+        status = model_status(watcher, "tiny-split")
+        assert status["job_id"] == "llmgw-tiny-split~b" and status["fabric"] == job_fabric(new_job)
+    finally:
+        stop.set()
+        await watcher.stop()
+        await watcher.consul.close()
+        await consul.close()
