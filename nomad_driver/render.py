@@ -1,124 +1,38 @@
 """A model definition becomes one Nomad service job.
 
-`render_job` builds the job as Nomad's API JSON (what `llmgw apply` submits); `render_hcl` writes
-that same dict out as HCL, so the two can never say different things. Field names are those of
+`render_job` builds the job as Nomad's API JSON (what `llmgw apply` submits) around the engine's
+task (`engine_tasks.py`); `render_files.render_hcl` writes that same dict out as HCL, so the two
+can never say different things. Field names are those of
 Nomad's `api` package (`api/jobs.go`, `api/tasks.go`, `api/resources.go`, `api/services.go`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 from typing import Any
 
 from nomad_driver import gpu_check
 from nomad_driver.draining import SHUTDOWN_DELAY
-from nomad_driver.hcl import job_to_hcl
+from nomad_driver.engine_tasks import (
+    PORT_LABEL,
+    VLLM_SHM_BYTES,
+    engine_task_config,
+    gpu_devices,
+    readiness_path,
+)
 from nomad_driver.node_meta import ENGINES_DIR_KEY, engine_meta_key, interpolated
 from nomad_driver.placement import fabric_constraint, gpu_count_constraint
-from nomad_driver.spec import Model, Profile
+from nomad_driver.spec import Model
 from nomad_driver.weights import Weights, weights_for
 
 GROUP_NAME = "engine"
 TASK_NAME = "engine"
 SERVICE_NAME = "llmgw-engine"
-PORT_LABEL = "http"
-GPU_DEVICE = "nvidia/gpu"
 
 SECOND = 1_000_000_000
 MINUTE = 60 * SECOND
 HOUR = 60 * MINUTE
-
-# vLLM shares tensors between its tensor-parallel workers through /dev/shm; Docker's 64 MiB
-# default makes a multi-GPU model die at start-up.
-VLLM_SHM_BYTES = 16 * 1024**3
-
-READINESS_PATHS = {
-    "llama.cpp": "/health",
-    "vllm": "/health",
-    # llama_cpp.server has no /health (404); it loads the model before it listens, so any
-    # answer from /v1/models means ready.
-    "llama-cpp-python": "/v1/models",
-}
-
-
-def readiness_path(engine: str) -> str:
-    return READINESS_PATHS[engine]
-
-
-def _engine_task_config(model: Model, weights: Weights) -> tuple[str, dict[str, Any]]:
-    """The driver and its config for the model's engine."""
-    p = model.profile
-    engines = interpolated(ENGINES_DIR_KEY)
-    listen = ["--host", "${NOMAD_IP_http}", "--port", "${NOMAD_PORT_http}"]
-    config: dict[str, Any]
-    # A GPU replica under raw_exec gets its GPUs at run time, from a prologue that also refuses
-    # to start when the engine sees fewer than it asked for (gpu_check.py says why the task's
-    # `env` cannot do it).
-
-    if p.engine == "llama.cpp":
-        # raw_exec, not exec: the engine lives under llmgw_engines_dir (/opt/...), which exec's
-        # chroot does not carry, and CUDA needs the host's driver libraries as they are.
-        server = f"{engines}/llama.cpp/{p.engine_version}/llama-server"
-        args = ["--model", weights.model_arg, *listen, "--ctx-size", str(p.context)]
-        args += ["--alias", model.name]
-        if p.gpus > 0:
-            args += ["-ngl", "999", "--device", gpu_check.cuda_device_names(p.gpus)]
-            probe = gpu_check.llama_cpp_probe(server)
-            return "raw_exec", gpu_check.checked_command(p.gpus, probe, server, args + p.args)
-        config = {"command": server, "args": args + p.args}
-        return "raw_exec", config
-
-    if p.engine == "llama-cpp-python":
-        args = ["-m", "llama_cpp.server", "--model", weights.model_arg, *listen]
-        args += ["--n_ctx", str(p.context), "--model_alias", model.name]
-        # Its server otherwise ends a running stream (with [DONE], no error) whenever another
-        # request arrives: behind a router that balances several clients, most streams break.
-        args += ["--interrupt_requests", "False"]
-        if p.gpus > 0:
-            args += ["--n_gpu_layers", "-1"]
-        if p.chat_format:
-            args += ["--chat_format", p.chat_format]
-        python = f"{engines}/llama-cpp-python/{p.engine_version}/bin/python"
-        if p.gpus > 0:
-            probe = gpu_check.llama_cpp_python_probe(python)
-            return "raw_exec", gpu_check.checked_command(p.gpus, probe, python, args + p.args)
-        config = {"command": python, "args": args + p.args}
-        return "raw_exec", config
-
-    # vLLM ships as a container image; the docker driver maps the dynamic port to the same
-    # number inside the container, so the engine listens on NOMAD_PORT_http on all interfaces.
-    args = ["--model", weights.model_arg, "--served-model-name", model.name]
-    args += ["--host", "0.0.0.0", "--port", "${NOMAD_PORT_http}", "--max-model-len", str(p.context)]
-    if p.gpus > 1:
-        args += ["--tensor-parallel-size", str(p.gpus)]
-    config = {
-        "image": f"vllm/vllm-openai:{p.engine_version}",
-        "ports": [PORT_LABEL],
-        "shm_size": VLLM_SHM_BYTES,
-        "args": args + p.args,
-    }
-    return "docker", config
-
-
-def _gpu_devices(p: Profile) -> list[dict[str, Any]]:
-    if p.gpus == 0:
-        return []
-    constraints = []
-    if p.gpu_memory_mib > 0:
-        # With a unit on the right-hand side Nomad compares unit-aware against the plugin's
-        # `memory` attribute (an int in MiB); a bare number would not compare at all.
-        constraints.append(
-            {"LTarget": "${device.attr.memory}", "RTarget": f"{p.gpu_memory_mib} MiB", "Operand": ">="}
-        )
-    if p.gpu_models:
-        # Exact names as NVML reports them; set_contains_any matches one of several, where a
-        # three-part device name could name only one.
-        constraints.append(
-            {"LTarget": "${device.model}", "RTarget": ",".join(p.gpu_models), "Operand": "set_contains_any"}
-        )
-    return [{"Name": GPU_DEVICE, "Count": p.gpus, "Constraints": constraints, "Affinities": []}]
 
 
 # Nomad's own retries are the backstop for when no llmgw watcher runs; with one running, the
@@ -156,10 +70,10 @@ def render_job(model: Model, *, namespace: str | None = None, job_id: str | None
         return render_replica_job(model, 0, namespace=namespace, job_id=job_id)
     p = model.profile
     weights = weights_for(model.source)
-    driver, config = _engine_task_config(model, weights)
+    driver, config = engine_task_config(model, weights)
 
     resources: dict[str, Any] = {"CPU": p.cpu_mhz, "MemoryMB": p.memory_mib}
-    devices = _gpu_devices(p)
+    devices = gpu_devices(p)
     if devices:
         resources["Devices"] = devices
 
@@ -239,38 +153,6 @@ def render_job(model: Model, *, namespace: str | None = None, job_id: str | None
     }
     job["TaskGroups"] = [group]
     return job
-
-
-def render_hcl(model: Model, *, namespace: str | None = None) -> str:
-    """The same job as `render_job`, as an HCL jobspec for `nomad job run`."""
-    job = render_job(model, namespace=namespace)
-    header = (
-        f"# Rendered by llmgw from model '{model.name}' (definition {model.def_hash}).\n"
-        "# Edit the models file and render again rather than this file.\n"
-    )
-    return header + job_to_hcl(job)
-
-
-def job_filename(model: Model, fmt: str) -> str:
-    return f"{model.job_id}.nomad.{fmt}"
-
-
-def render_files(models: list[Model], fmt: str, *, namespace: str | None = None) -> dict[str, str]:
-    """File name -> content for each model. JSON files carry the `{"Job": ...}` wrapper, so the
-    same file works with `nomad job run -json` and as the body of `PUT /v1/jobs`."""
-    files: dict[str, str] = {}
-    for model in models:
-        if model.profile.nodes > 1:
-            files.update(_replica_files(model, fmt, namespace))
-            continue
-        if fmt == "json":
-            text = json.dumps({"Job": render_job(model, namespace=namespace)}, indent=2) + "\n"
-        elif fmt == "hcl":
-            text = render_hcl(model, namespace=namespace)
-        else:
-            raise ValueError(f"unknown format {fmt!r}: expected hcl or json")
-        files[job_filename(model, fmt)] = text
-    return files
 
 
 # --- multi-node replicas ---------------------------------------------------------------------
@@ -580,22 +462,3 @@ def _ordered_task(task: dict[str, Any]) -> dict[str, Any]:
         "KillTimeout",
     )
     return {k: task[k] for k in order if k in task}
-
-
-def _replica_files(model: Model, fmt: str, namespace: str | None) -> dict[str, str]:
-    files: dict[str, str] = {}
-    for replica in range(model.replicas_max):
-        job = render_replica_job(model, replica, namespace=namespace)
-        name = f"{job['ID'].replace(':', '-r')}.nomad.{fmt}"
-        if fmt == "json":
-            files[name] = json.dumps({"Job": job}, indent=2) + "\n"
-        elif fmt == "hcl":
-            header = (
-                f"# Rendered by llmgw from model '{model.name}' (definition {model.def_hash}), "
-                f"replica {replica} of {model.replicas_max}, {model.profile.nodes} nodes each.\n"
-                "# Edit the models file and render again rather than this file.\n"
-            )
-            files[name] = header + job_to_hcl(job)
-        else:
-            raise ValueError(f"unknown format {fmt!r}: expected hcl or json")
-    return files

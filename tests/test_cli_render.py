@@ -10,7 +10,8 @@ from pathlib import Path
 
 import hcl2
 
-from nomad_driver.render import render_hcl, render_job
+from nomad_driver.render import render_job
+from nomad_driver.render_files import render_hcl
 from nomad_driver.spec import load_models
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -16,12 +16,11 @@ from nomad_driver.render import (
     RPC_SERVERS_VAR,
     SHARD_GROUP,
     SHARD_SERVICE,
-    render_files,
-    render_hcl,
     render_job,
     render_replica_job,
     replica_job_ids,
 )
+from nomad_driver.render_files import render_files, render_hcl
 from nomad_driver.spec import SpecError, definition_hash, parse_models
 
 MODELS = textwrap.dedent(

@@ -21,12 +21,11 @@ from nomad_driver.render import (
     RESCHEDULE_POLICY,
     RESTART_POLICY,
     SERVICE_NAME,
-    render_files,
-    render_hcl,
     render_job,
     render_replica_job,
     weights_for,
 )
+from nomad_driver.render_files import render_files, render_hcl
 from nomad_driver.spec import Model, definition_hash, load_models, parse_models
 
 ROOT = Path(__file__).resolve().parent.parent

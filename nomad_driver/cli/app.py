@@ -48,7 +48,7 @@ def render(
     node_pool: str | None = typer.Option(None, "--node-pool", hidden=True),
 ) -> None:
     """Write one Nomad job per model, without a cluster. Exit code 2 when the file is invalid."""
-    from nomad_driver.render import render_files
+    from nomad_driver.render_files import render_files
     from nomad_driver.spec import SpecError, load_models, problem_line
 
     if datacenter or node_pool:
