@@ -12,6 +12,8 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,7 @@ import httpx
 from aiohttp import ClientSession, ClientTimeout, web
 
 from devstack import lifetime
+from devstack.consul_agent import ConsulAgent
 from devstack.ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -285,3 +288,62 @@ class CountingProxy:
         except (aiohttp.ClientError, ConnectionResetError):
             pass  # either side went away
         return response
+
+
+@dataclass(frozen=True)
+class LlmgwStack:
+    consul: str
+    nomad: str
+    router: str
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+@contextmanager
+def llmgw_stack(data_dir: Path, fleet: Path) -> Iterator[LlmgwStack]:
+    """A real Consul, the stand-in on `fleet`, and `llmgw watcher` and `llmgw router` as
+    processes with their defaults (logs in DATA_DIR), all ended on leaving; yields their URLs
+    once the router answers."""
+    agent = ConsulAgent(die_with_parent=True).start()
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        standin, nomad = start_standin(data_dir, fleet, agent.url)
+        procs.append(standin)
+        env = {**os.environ, "CONSUL_HTTP_ADDR": agent.url, "NOMAD_ADDR": nomad}
+        admin, router_port = free_port(), free_port()
+        for name, argv in (
+            ("watcher", ["watcher", "--listen", f"127.0.0.1:{admin}"]),
+            ("router", ["router", "--listen", f"127.0.0.1:{router_port}"]),
+        ):
+            log = (data_dir / f"{name}.log").open("wb")
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "nomad_driver.cli", *argv],
+                    cwd=REPO,
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    preexec_fn=lifetime.die_with_parent,
+                )
+            )
+        router = f"http://127.0.0.1:{router_port}"
+        deadline = time.monotonic() + 30
+        while not _answers(f"{router}/healthz"):
+            if time.monotonic() > deadline:
+                raise SystemExit(f"the router did not answer within 30s; see {data_dir / 'router.log'}")
+            time.sleep(0.2)
+        yield LlmgwStack(agent.url, nomad, router)
+    finally:
+        for proc in reversed(procs):
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        agent.stop()

@@ -17,9 +17,6 @@ maximum's.
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -29,12 +26,9 @@ from pathlib import Path
 import httpx
 import yaml
 
-from bench._support import REPO, start_standin
-from devstack import lifetime
-from devstack.consul_agent import ConsulAgent
+from bench._support import llmgw_stack
 from devstack.gguf_tiny import write_tiny_gguf
 from devstack.llama_cpp import install_llama_cpp, llama_cpp_node
-from devstack.ports import free_port
 
 PROFILE = """
 profiles:
@@ -227,57 +221,18 @@ def main() -> int:
         gguf = write_tiny_gguf(tmp / "tiny.gguf")
         nodes = tmp / "nodes.yaml"
         nodes.write_text(yaml.safe_dump({"nodes": [llama_cpp_node("cpu-0", engines)]}))
-        agent = ConsulAgent(die_with_parent=True).start()
-        procs: list[subprocess.Popen[bytes]] = []
-        try:
-            standin, nomad = start_standin(tmp, nodes, agent.url)
-            procs.append(standin)
-            env = {**os.environ, "CONSUL_HTTP_ADDR": agent.url, "NOMAD_ADDR": nomad}
-            admin, router_port = free_port(), free_port()
-            for name, argv in (
-                ("watcher", ["watcher", "--listen", f"127.0.0.1:{admin}"]),
-                ("router", ["router", "--listen", f"127.0.0.1:{router_port}"]),
-            ):
-                log = (tmp / f"{name}.log").open("wb")
-                procs.append(
-                    subprocess.Popen(
-                        [sys.executable, "-m", "nomad_driver.cli", *argv],
-                        cwd=REPO,
-                        env=env,
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        preexec_fn=lifetime.die_with_parent,
-                    )
-                )
-            router = f"http://127.0.0.1:{router_port}"
-            wait(lambda: _up(f"{router}/healthz"), 30, "the router")
+        with llmgw_stack(tmp, nodes) as stack:
             phases = [
                 Phase("scaled", "{min: 1, max: 4, scale_down_delay: 10s}"),
                 Phase("fixed-min", "{min: 1, max: 1}"),
                 Phase("fixed-max", "{min: 4, max: 4}"),
             ]
             for phase in phases:
-                run_phase(phase, args, agent.url, nomad, router, gguf)
+                run_phase(phase, args, stack.consul, stack.nomad, stack.router, gguf)
             print(
                 f"step: {args.base} -> {args.step} clients for {args.seconds * 0.2:.0f}s of {args.seconds:.0f}s"
             )
             return report(phases, args.seconds * 0.2)
-        finally:
-            for p in reversed(procs):
-                p.terminate()
-            for p in procs:
-                try:
-                    p.wait(15)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-            agent.stop()
-
-
-def _up(url: str) -> bool:
-    try:
-        return httpx.get(url, timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 if __name__ == "__main__":

@@ -23,9 +23,6 @@ request in either change.
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -35,13 +32,10 @@ from pathlib import Path
 import httpx
 import yaml
 
-from bench._support import REPO, start_standin
-from bench.scale_bench import _up, pct, wait
-from devstack import lifetime
-from devstack.consul_agent import ConsulAgent
+from bench._support import llmgw_stack
+from bench.scale_bench import pct, wait
 from devstack.gguf_tiny import write_tiny_gguf
 from devstack.llama_cpp import install_llama_cpp, llama_cpp_node
-from devstack.ports import free_port
 from nomad_driver.spec import parse_models
 
 MODES = {"rollout": "surge", "inplace": "replace"}
@@ -212,59 +206,29 @@ def main() -> int:
         broken = write_tiny_gguf(tmp / "broken.gguf", architecture="kev")
         nodes = tmp / "nodes.yaml"
         nodes.write_text(yaml.safe_dump({"nodes": [llama_cpp_node("cpu-0", engines)]}))
-        agent = ConsulAgent(die_with_parent=True).start()
-        procs: list[subprocess.Popen[bytes]] = []
-        try:
-            standin, nomad = start_standin(tmp, nodes, agent.url)
-            procs.append(standin)
-            env = {**os.environ, "CONSUL_HTTP_ADDR": agent.url, "NOMAD_ADDR": nomad}
-            admin, router_port = free_port(), free_port()
-            for name, argv in (
-                ("watcher", ["watcher", "--listen", f"127.0.0.1:{admin}"]),
-                ("router", ["router", "--listen", f"127.0.0.1:{router_port}"]),
-            ):
-                log = (tmp / f"{name}.log").open("wb")
-                procs.append(
-                    subprocess.Popen(
-                        [sys.executable, "-m", "nomad_driver.cli", *argv],
-                        cwd=REPO,
-                        env=env,
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        preexec_fn=lifetime.die_with_parent,
-                    )
-                )
-            router = f"http://127.0.0.1:{router_port}"
-            wait(lambda: _up(f"{router}/healthz"), 30, "the router")
+        with llmgw_stack(tmp, nodes) as stack:
             changes: list[Change] = []
             for model in MODES:
                 text = models_text(model, first)
-                httpx.put(f"{agent.url}/v1/kv/llmgw/config/models", content=text).raise_for_status()
+                httpx.put(f"{stack.consul}/v1/kv/llmgw/config/models", content=text).raise_for_status()
                 wait(
-                    lambda m=model: len(serving_hashes(agent.url, m)) >= 2, 180, f"{model}'s 2 replicas ready"
+                    lambda m=model: len(serving_hashes(stack.consul, m)) >= 2,
+                    180,
+                    f"{model}'s 2 replicas ready",
                 )
-                client = PacedClient(router, model, args.every)
+                client = PacedClient(stack.router, model, args.every)
                 try:
                     time.sleep(5)  # a steady state to begin from
                     mine = [Change(model, "good"), Change(model, "broken")]
-                    run_change(mine[0], client, agent.url, second, args)
-                    run_change(mine[1], client, agent.url, broken, args)
+                    run_change(mine[0], client, stack.consul, second, args)
+                    run_change(mine[1], client, stack.consul, broken, args)
                 finally:
                     client.stop()
                 changes += mine
                 for job_id in (f"llmgw-{model}", f"llmgw-{model}~b"):
-                    httpx.delete(f"{nomad}/v1/job/{job_id}", params={"purge": "true"}, timeout=10)
-                wait(lambda m=model: not serving_hashes(agent.url, m), 60, f"{model}'s replicas gone")
+                    httpx.delete(f"{stack.nomad}/v1/job/{job_id}", params={"purge": "true"}, timeout=10)
+                wait(lambda m=model: not serving_hashes(stack.consul, m), 60, f"{model}'s replicas gone")
             return 0 if report(changes, args.every) else 1
-        finally:
-            for p in reversed(procs):
-                p.terminate()
-            for p in procs:
-                try:
-                    p.wait(15)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-            agent.stop()
 
 
 if __name__ == "__main__":
