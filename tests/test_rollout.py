@@ -157,3 +157,14 @@ def test_rolling_with_no_room_stops_one_old_replica_per_new_one_ready() -> None:
     assert previous_steps(rolling, previous(count=2), ModelState(), ready=0, desired=2) == []
     # Surge waits for room, whatever it takes.
     assert previous_steps(NEW, previous(count=2), no_room, ready=0, desired=2) == []
+
+
+def test_a_definition_changed_again_mid_rollout_replaces_the_unfinished_one_not_the_serving_one() -> None:
+    # def OLD serves on the first ID, NEW is still loading on the second; NEWER is applied.
+    newer = model("newer.gguf")
+    jobs = {FIRST: job(OLD, FIRST), SECOND: job(NEW, SECOND)}
+    assert choose_jobs(newer, jobs, {FIRST: 2}) == (SECOND, FIRST)
+    # A watcher that takes over in the middle decides the same from the same facts.
+    assert choose_jobs(newer, jobs, {FIRST: 2}) == choose_jobs(
+        newer, dict(reversed(jobs.items())), {FIRST: 2}
+    )
