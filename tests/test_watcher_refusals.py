@@ -41,7 +41,9 @@ models:
   stuck:
     source: file:///tmp/stuck.gguf
     profile: cpu
-    replicas: {min: 1, max: 2}
+    # The watcher holds the count it first finds for the scale-down delay (a restart is never
+    # a scale-down): a short one, so the scale this file is about is asked for soon.
+    replicas: {min: 1, max: 2, scale_down_delay: 1s}
     idle_timeout: 1s
 """
 )
@@ -79,9 +81,8 @@ async def test_a_refused_scale_is_a_model_condition_everywhere_and_clears_on_suc
     serving = asyncio.create_task(server.serve())
     await watcher.start()
     try:
-        # The two replicas count as starting for a while (these engines never report ready), and
-        # the watcher does not scale down while replicas start: about 18 s on a quiet machine
-        # before the scale is asked for and refused, far more on a loaded one.
+        # The first sight's hold (1 s here) and one step interval pass before the scale down is
+        # asked for and refused: about 6 s on a quiet machine, more on a loaded one.
         state = await until(
             lambda: _refused(consul, "stuck"), 120, "the refusal recorded in llmgw/state/stuck", every=0.2
         )

@@ -229,6 +229,7 @@ class Watcher:
             self.evals.snapshot.data if self.evals.snapshot else (),
             self.engines.snapshot.data if self.engines.snapshot else (),
             self.nodes.snapshot.data if self.nodes.snapshot else None,
+            jobs_read=self.jobs.snapshot is not None,
         )
 
     # Lifecycle
@@ -363,9 +364,11 @@ class Watcher:
         for name, d in decisions.items():
             decisions[name] = await self.engine_errors.telling(d, views[name])
         self.engine_errors.keep_only(parks)
-        # What the load asked for this pass is what a later, lower load must outlast.
-        for name, d in decisions.items():
-            self.load.record(name, views[name].now, d.recommendation)
+        # What the load asked for this pass is what a later, lower load must outlast (once
+        # Nomad's jobs are read: before, the first sight of each count is still to come).
+        if self.jobs.snapshot is not None:
+            for name, d in decisions.items():
+                self.load.record(name, views[name].now, d.recommendation)
         self.memory.keep_only_defined()
         self.views, self.decisions = views, decisions
         self.replicas = self._build_replicas(views)
@@ -432,8 +435,9 @@ class Watcher:
             record_differences(self._verify_skips, before, self.decisions)
             return
         now = self.clock()
-        for name, d in self.decisions.items():
-            self.load.record(name, now, d.recommendation)
+        if self.jobs.snapshot is not None:
+            for name, d in self.decisions.items():
+                self.load.record(name, now, d.recommendation)
         self.skipped_passes += 1
         if self.leadership.is_leader and self.ready_to_act():
             async with self._apply_lock:

@@ -33,7 +33,7 @@ from nomad_driver.watcher.in_flight import asks, requests_in_flight
 from nomad_driver.watcher.job_facts import job_def_hash, job_group
 from nomad_driver.watcher.replicas import busy_floor_of
 from nomad_driver.watcher.rollout import choose_jobs
-from nomad_driver.watcher.scaling import LoadHistory
+from nomad_driver.watcher.scaling import Load, LoadHistory
 from nomad_driver.watcher.sightings import StartSightings
 
 log = logging.getLogger("llmgw.watcher")
@@ -153,9 +153,12 @@ class ViewBuilder:
         evals: Sequence[dict[str, Any]],
         engines: Sequence[Mapping[str, Any]],
         nodes: Sequence[Mapping[str, Any]] | None,
+        jobs_read: bool = True,
     ) -> dict[str, ModelView]:
         """Every defined model's view from one pass's readings (`allocs`/`nodes` None: not
-        read yet, which multi-node rooms wait for)."""
+        read yet, which multi-node rooms wait for). Before Nomad's jobs are read
+        (`jobs_read` False) every model looks absent: its views are built, but nothing is
+        remembered as first seen, or a watcher's start would seed its holds with no replicas."""
         if kv_index is not None:
             self.states.settle(kv_index)
         self.definitions.load(kv)
@@ -200,12 +203,16 @@ class ViewBuilder:
                 )
             _, count = job_group(job)
             seen = self.scaled_at.get(job_id)
-            if seen is None or seen[0] != count:
+            if not jobs_read:
+                seen = (count, now)
+            elif seen is None or seen[0] != count:
                 # First sight after a start counts as "just scaled", which only delays a
                 # scale-down by one idle timeout; never the other way round.
                 self.scaled_at[job_id] = seen = (count, now)
             stepped = self.stepped_at.get(job_id)
-            if stepped is None or stepped[0] != count:
+            if not jobs_read:
+                stepped = (count, -inf)
+            elif stepped is None or stepped[0] != count:
                 self.stepped_at[job_id] = stepped = (count, -inf if stepped is None else now)
             state, index, problem = self.state_for(name, kv)
             activity_entry = kv.get(f"{ACTIVITY_PREFIX}{name}")
@@ -216,7 +223,11 @@ class ViewBuilder:
             seen_busy = self.last_in_flight.get(name)
             if seen_busy is not None:
                 activity = seen_busy if activity is None else max(activity, seen_busy)
-            load = self.load.observe(name, now, requests, count, model.scale_down_delay_s)
+            load = (
+                self.load.observe(name, now, requests, count, model.scale_down_delay_s)
+                if jobs_read
+                else Load(float(requests), count)
+            )
             model_allocs = allocs_by_job.get(job_id, ())
             views[name] = ModelView(
                 model=model,
