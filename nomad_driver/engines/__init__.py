@@ -68,6 +68,3 @@ def startup_error_patterns() -> list[re.Pattern[str]]:
     for engine in ENGINES.values():
         patterns += [p for p in engine.startup_errors if p not in patterns]
     return patterns
-
-
-__all__ = ["ENGINES", "Engine", "find", "from_meta_key", "get", "names", "register", "sharding"]
