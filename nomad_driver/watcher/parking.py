@@ -26,7 +26,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from nomad_driver import gpu_check
+from nomad_driver import engines
 from nomad_driver.fields import as_int
 from nomad_driver.redaction import redact
 
@@ -331,14 +331,10 @@ def _event_text(ev: Mapping[str, Any]) -> str:
     return str(ev.get("Message") or kind)
 
 
-# From most to least telling. An engine's stderr ends in a traceback whose last line is often
-# generic ("Failed to load model from file"); the loader's own line a few lines up says why.
-_TELLING = [
-    # llmgw's own GPU check (gpu_check.py) names what the engine saw; the engine's lines after
-    # it, if any, are consequences.
-    gpu_check.FAILED_PATTERN,
-    re.compile(r"unknown model architecture", re.I),
-    re.compile(r"error loading model", re.I),
+# From most to least telling, after llmgw's own GPU check and each engine's own words
+# (`engines.startup_error_patterns`): an engine's stderr ends in a traceback whose last line is
+# often generic ("Failed to load model from file"); the loader's own line a few lines up says why.
+_ANY_ENGINE = [
     re.compile(r"out of memory|CUDA error|cudaMalloc|no CUDA-capable|OOM", re.I),
     re.compile(r"no such file|not found|permission denied", re.I),
     re.compile(r"\berror\b", re.I),
@@ -353,7 +349,7 @@ def telling_line(stderr_tail: str) -> str:
     before it is cut short, so that no copy of the last error (KV, the Consul UI's check, the
     scaling event in Nomad) holds a credential the engine quoted, nor the start of one."""
     lines = [ln.strip() for ln in stderr_tail.splitlines() if ln.strip()]
-    for pattern in _TELLING:
+    for pattern in [*engines.startup_error_patterns(), *_ANY_ENGINE]:
         # The last matching line: the most recent attempt's words, not an earlier warning's.
         for line in reversed(lines):
             if pattern.search(line):
