@@ -69,15 +69,32 @@ def _rpc_servers_template(job_id: str) -> dict[str, Any]:
     return env_template(body, "local/shards.env")
 
 
+# How long the leader waits for a listed shard to accept a connection, in half seconds.
+SHARD_LISTEN_TRIES = 240
+
+
 def _wait_for_shards(workers: int, var: str, command: str) -> list[str]:
     """A shell that starts the leader only once the template lists all `workers` shards, and
     otherwise waits, listening on nothing, so its check fails and no half replica serves: when
-    the last shard registers, the template changes and Nomad restarts it into the real start."""
+    the last shard registers, the template changes and Nomad restarts it into the real start.
+    A shard is listed from its task's start, before ggml-rpc-server listens (CUDA's start alone
+    takes seconds), and llama-server aborts on a shard that refuses it, a failed start of a
+    replica that was only coming up; so each is first tried with a bare connection, which
+    ggml-rpc-server drops as a client that said nothing (bash's /dev/tcp: sh has none; without
+    bash, or after two minutes, llama-server starts anyway and says what it found)."""
+    probe = (
+        f'if command -v bash >/dev/null 2>&1; then for s in $(printf %s "${var}" | tr , " "); do '
+        'h=$(printf %s "$s" | cut -d: -f1); p=$(printf %s "$s" | cut -d: -f2); i=0; '
+        'until bash -c \'exec 3<>/dev/tcp/$1/$2\' probe "$h" "$p" 2>/dev/null; do '
+        f'if [ "$i" -ge {SHARD_LISTEN_TRIES} ]; then break; fi; '
+        'if [ "$i" -eq 0 ]; then echo "waiting for shard $s to accept connections" >&2; fi; '
+        "i=$((i+1)); sleep 0.5; done; done; fi; "
+    )
     script = (
         f'n=$(printf %s "${var}" | tr , "\n" | grep -c .); '
         f'if [ "$n" -lt {workers} ]; then '
         f'echo "waiting for {workers} shard(s), $n registered and healthy" >&2; exec sleep 2147483647; fi; '
-        f"exec {command}"
+        f"{probe}exec {command}"
     )
     return ["-c", script]
 

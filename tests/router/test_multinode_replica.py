@@ -178,6 +178,64 @@ async def test_the_watcher_pins_a_two_shard_replica_to_one_fabric_and_restarts_i
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)
+async def test_a_shard_slow_to_listen_is_waited_for_and_the_bring_up_counts_no_failed_start(
+    tmp_path: Path,
+    consul_url: str,
+    start_standin: Callable[..., Any],
+    llama_cpp_engines: Path,
+    make_gguf: Callable[..., Path],
+) -> None:
+    # Nomad registers the shard's service when its task starts, before ggml-rpc-server listens
+    # (on a GPU node, CUDA's start alone takes seconds). A leader that connected then aborted
+    # ("Failed to connect"), a failed start of a replica that was only coming up.
+    shard = next(llama_cpp_engines.glob("llama.cpp/*/ggml-rpc-server"))
+    real = shard.with_name("ggml-rpc-server.real")
+    shard.rename(real)
+    shard.write_text(f'#!/bin/sh\nsleep 4\nexec {real} "$@"\n')
+    shard.chmod(0o755)
+    nodes_file = effective_nodes(FABRICS, llama_cpp_engines, tmp_path / "nodes.yaml")
+    text = llama_cpp_models("tiny-split", make_gguf(), nodes=2)
+    standin, consul, _nomad, watcher = await watcher_on_standin(
+        consul_url, start_standin, text, ident="w1", clock_speed=5.0, nodes=str(nodes_file)
+    )
+    (model,) = parse_models(text).models.values()
+    seen: list[int] = []
+
+    async def sample_failures() -> None:
+        while True:
+            state = await read_state(consul, "tiny-split")
+            seen.append(state.consecutive_failures if state else 0)
+            await asyncio.sleep(0.1)
+
+    await watcher.start()
+    sampler = asyncio.create_task(sample_failures())
+    try:
+        await until(
+            lambda: (d := watcher.decisions.get("tiny-split")) is not None and d.ready == 1,
+            180,
+            "the replica ready",
+        )
+        sampler.cancel()
+        assert seen and max(seen) == 0, seen
+        (leader,) = [a for a in allocs_of(standin.url, model.job_id) if a["TaskGroup"] == "engine"]
+        stderr = httpx.get(
+            f"{standin.url}/v1/client/fs/logs/{leader['ID']}",
+            params={"task": "engine", "type": "stderr", "plain": "true", "origin": "start"},
+            timeout=10,
+        ).text
+        assert "Failed to connect" not in stderr, stderr[-2000:]
+        assert not [
+            e for e in leader["TaskStates"]["engine"]["Events"] if e["Type"] == "Terminated" and e["ExitCode"]
+        ], leader["TaskStates"]["engine"]["Events"]
+    finally:
+        sampler.cancel()
+        await watcher.stop()
+        await watcher.consul.close()
+        await consul.close()
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(420)
 async def test_a_broken_split_model_parks_after_five_replica_starts_with_llama_cpps_error(
     tmp_path: Path,
