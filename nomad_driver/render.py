@@ -21,10 +21,11 @@ from nomad_driver.engine_tasks import (
     gpu_devices,
     readiness_path,
 )
+from nomad_driver.fetch.render import add_fetch, weights_of
 from nomad_driver.node_meta import ENGINES_DIR_KEY, engine_meta_key, interpolated
 from nomad_driver.placement import fabric_constraint, gpu_count_constraint
 from nomad_driver.spec import Model
-from nomad_driver.weights import Weights, weights_for
+from nomad_driver.weights import Weights
 
 GROUP_NAME = "engine"
 TASK_NAME = "engine"
@@ -69,7 +70,7 @@ def render_job(model: Model, *, namespace: str | None = None, job_id: str | None
     if model.profile.nodes > 1:
         return render_replica_job(model, 0, namespace=namespace, job_id=job_id)
     p = model.profile
-    weights = weights_for(model.source)
+    weights = weights_of(model)
     driver, config = engine_task_config(model, weights)
 
     resources: dict[str, Any] = {"CPU": p.cpu_mhz, "MemoryMB": p.memory_mib}
@@ -134,6 +135,8 @@ def render_job(model: Model, *, namespace: str | None = None, job_id: str | None
         "Update": UPDATE_STRATEGY,
         "Tasks": [task],
     }
+    # Weights from a remote source come through llmgw's own fetch (fetch/render.py).
+    add_fetch(group, model, task)
 
     job: dict[str, Any] = {
         "ID": job_id or model.job_id,
@@ -380,15 +383,19 @@ def render_replica_job(
     running = replica < model.replicas_min
 
     leader = job["TaskGroups"][0]
-    leader_task, shard_task = _replica_engine(model, job_id, weights_for(model.source))
+    leader_task, shard_task = _replica_engine(model, job_id, weights_of(model))
     template_task = leader["Tasks"][0]
+    # The leader loads the weights; the fetch task stays beside it (fetch/render.py).
+    fetch_tasks = leader["Tasks"][1:]
     for task, base in ((leader_task, template_task), (shard_task, template_task)):
         task["Name"] = TASK_NAME
         task["Resources"] = base["Resources"]
         task["KillTimeout"] = base["KillTimeout"]
     if "Artifacts" in template_task:
         leader_task["Artifacts"] = template_task["Artifacts"]
-    leader["Tasks"] = [_ordered_task(leader_task)]
+    if "VolumeMounts" in template_task:
+        leader_task["VolumeMounts"] = template_task["VolumeMounts"]
+    leader["Tasks"] = [_ordered_task(leader_task), *fetch_tasks]
     leader["Count"] = 1 if running else 0
     leader["Scaling"] = {"Min": 0, "Max": 1, "Enabled": False}
     if p.engine == "vllm":
@@ -458,6 +465,7 @@ def _ordered_task(task: dict[str, Any]) -> dict[str, Any]:
         "Artifacts",
         "Templates",
         "Consul",
+        "VolumeMounts",
         "Resources",
         "KillTimeout",
     )

@@ -225,21 +225,27 @@ def fetch_command(
         "", "--max-size", help="Bound of the cache (500G); least recently used models go first."
     ),
     min_rate: str = typer.Option("100K", "--min-rate", help="Bytes per second below which it is stalled."),
-    stall_window: float = typer.Option(
-        300.0, "--stall-window", help="Seconds under --min-rate that fail it."
-    ),
+    stall_window: str = typer.Option("300", "--stall-window", help="Seconds under --min-rate that fail it."),
 ) -> None:
-    """Download a model's weights into this node's cache, or find them there (the fetch task)."""
-    from nomad_driver.fetch.download import StallRule
-    from nomad_driver.fetch.run import FetchRequest, fetch, parse_size
+    """Download a model's weights into this node's cache, or find them there (the fetch task).
 
+    An option the job fills from node meta (`${meta.llmgw_models_max}`, ...) that the node does
+    not set arrives as that literal text, and means the default."""
+    from nomad_driver.fetch.download import StallRule
+    from nomad_driver.fetch.run import FetchRequest, fetch, parse_seconds, parse_size
+
+    default = StallRule()
     try:
         bound = parse_size(max_size)
         rate = parse_size(min_rate)
+        window = parse_seconds(stall_window)
     except ValueError as exc:
         typer.echo(f"llmgw fetch: {exc}", err=True)
         raise typer.Exit(2) from None
-    rule = StallRule(min_rate=float(rate if rate is not None else 0), window_s=stall_window)
+    rule = StallRule(
+        min_rate=float(rate) if rate is not None else default.min_rate,
+        window_s=window if window is not None else default.window_s,
+    )
     raise typer.Exit(fetch(FetchRequest(source, model, cache_dir, bound, rule)))
 
 

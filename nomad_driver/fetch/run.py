@@ -34,6 +34,19 @@ def parse_size(text: str | None) -> int | None:
     return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
 
 
+def parse_seconds(text: str | None) -> float | None:
+    """`300`, `90.5`; None for nothing or an unset node meta key, as parse_size."""
+    if text is None or not text.strip() or text.strip().startswith("${"):
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"not a number of seconds: {text!r}") from None
+    if value <= 0:
+        raise ValueError(f"the stall window must be above 0 seconds, got {text!r}")
+    return value
+
+
 def progress_line(p: Progress) -> str:
     total = p.total if p.total is not None else "unknown"
     return f"{PROGRESS_PREFIX}done={p.done} total={total} rate={int(p.rate)} B/s"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import ssl
 import subprocess
 import sys
 import threading
@@ -14,10 +15,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import boto3
 import requests
 
+from devstack.agent_tls import write_agent_certificates
 from devstack.ports import free_port
 
 _RANGE = re.compile(r"bytes=(\d+)-(\d*)")
@@ -33,11 +36,13 @@ class WeightsServer:
     ranges: list[str] = field(default_factory=list)
     requests: int = 0
     port: int = 0
+    scheme: str = "http"
+    ca: Path | None = None  # the CA that signed an HTTPS server's certificate
     _server: ThreadingHTTPServer | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def url(self, path: str) -> str:
-        return f"http://127.0.0.1:{self.port}{path}"
+        return f"{self.scheme}://127.0.0.1:{self.port}{path}"
 
     def reset_counts(self) -> None:
         with self.lock:
@@ -110,10 +115,20 @@ def _handler(state: WeightsServer) -> type[BaseHTTPRequestHandler]:
 
 
 @contextmanager
-def weights_server(files: dict[str, bytes], **options: object) -> Iterator[WeightsServer]:
+def weights_server(
+    files: dict[str, bytes], tls_dir: Path | None = None, **options: object
+) -> Iterator[WeightsServer]:
+    """With `tls_dir`, HTTPS with a certificate for 127.0.0.1 from a CA of its own (`.ca`), which
+    a client trusts through SSL_CERT_FILE."""
     state = WeightsServer(files, **options)  # type: ignore[arg-type]
     server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(state))
     server.daemon_threads = True
+    if tls_dir is not None:
+        tls = write_agent_certificates(tls_dir, "weights.test")
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(tls.cert, tls.key)
+        server.socket = context.wrap_socket(server.socket, server_side=True)
+        state.scheme, state.ca = "https", tls.ca
     state.port = server.server_address[1]
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()

@@ -29,12 +29,14 @@ def run(source: str, root: Path, model: str = "tiny", **kw: object) -> tuple[int
     return code, out.getvalue(), err.getvalue()
 
 
-def test_bearer_token_reaches_the_source_and_the_weights_land_in_the_cache(tmp_path, monkeypatch):
-    with weights_server({"/m/tiny.gguf": WEIGHTS}, token="sesame") as server:
+def test_bearer_token_reaches_an_https_source_and_the_weights_land_in_the_cache(tmp_path, monkeypatch):
+    with weights_server({"/m/tiny.gguf": WEIGHTS}, tls_dir=tmp_path / "tls", token="sesame") as server:
+        assert server.ca is not None and server.url("").startswith("https://")
+        monkeypatch.setenv("SSL_CERT_FILE", str(server.ca))
         monkeypatch.setenv("LLMGW_SOURCE_TOKEN", "sesame")
-        code, out, err = run(server.url("/m/tiny.gguf"), tmp_path)
+        code, out, err = run(server.url("/m/tiny.gguf"), tmp_path / "cache")
     assert code == 0, err
-    assert (tmp_path / "tiny" / "tiny.gguf").read_bytes() == WEIGHTS
+    assert (tmp_path / "cache" / "tiny" / "tiny.gguf").read_bytes() == WEIGHTS
     assert "fetched:" in out
 
 
