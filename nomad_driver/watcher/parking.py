@@ -27,6 +27,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from nomad_driver import gpu_check
+from nomad_driver.fetch.errors import FAILED_PREFIX as FETCH_FAILED_PREFIX
+from nomad_driver.fetch.render import FETCH_TASK
 from nomad_driver.fields import as_int
 from nomad_driver.redaction import redact
 
@@ -141,6 +143,11 @@ def starts_of(alloc: Mapping[str, Any]) -> list[Start]:
                 current["stopping"] = True
             elif kind == "Terminated" and current is not None:
                 failed = not current["stopping"]
+                if task == FETCH_TASK and (not failed or as_int(ev.get("ExitCode")) == 0):
+                    # The fetch of the weights is a step of a start, not one: only its
+                    # failure counts (and names the fetch's cause, fetch/errors.py).
+                    current = None
+                    continue
                 out.append(
                     Start(
                         alloc_id,
@@ -157,6 +164,8 @@ def starts_of(alloc: Mapping[str, Any]) -> list[Start]:
                 current = None
             elif kind in _FAILED_BEFORE_START and current is None:
                 out.append(Start(alloc_id, str(task), t, version, True, True, event_text(ev), t, created))
+        if current is not None and task == FETCH_TASK:
+            continue  # a fetch under way: the start it belongs to has not begun
         if current is not None:
             if live:
                 out.append(Start(alloc_id, str(task), current["time"], version, False, False, "", 0, created))
@@ -334,6 +343,9 @@ def _event_text(ev: Mapping[str, Any]) -> str:
 # From most to least telling. An engine's stderr ends in a traceback whose last line is often
 # generic ("Failed to load model from file"); the loader's own line a few lines up says why.
 _TELLING = [
+    # llmgw's fetch of the weights says which of its causes failed it (fetch/errors.py): never
+    # an engine crash.
+    re.compile("^" + re.escape(FETCH_FAILED_PREFIX)),
     # llmgw's own GPU check (gpu_check.py) names what the engine saw; the engine's lines after
     # it, if any, are consequences.
     gpu_check.FAILED_PATTERN,
