@@ -17,6 +17,7 @@ import pytest
 from devstack.nomad.client import ClientRunner
 from devstack.nomad.state import StateStore
 from devstack.nomad.taskstate import RestartTracker
+from nomad_driver.fetch.prefetch import render_prefetch_job
 from nomad_driver.fetch.render import FETCH_TASK, HOST_VOLUME, weights_of
 from nomad_driver.render import render_job
 from nomad_driver.spec import Model, parse_models
@@ -211,3 +212,30 @@ async def test_a_node_without_the_host_volume_refuses_the_task(tmp_path: Path) -
             done = await wait_alloc(store, alloc["ID"], failed, timeout=30)
     setup = [e for e in task_state(done, FETCH_TASK)["Events"] if e["Type"] == "Setup Failure"]
     assert setup and setup[0]["DisplayMessage"].endswith(f"missing {HOST_VOLUME}")
+
+
+async def test_a_prefetched_on_demand_model_starts_without_a_download(node: Node) -> None:
+    """`llmgw ctl prefetch`'s job fills the node's cache ahead; the model's first start then
+    downloads nothing and costs the engine's load only."""
+    m = model(node.server)
+    set_token(node.store, m, "sesame")
+    prefetch = render_prefetch_job(m, ["gpu-node-0"])
+    assert prefetch["Type"] == "sysbatch"
+    assert {"LTarget": "${node.unique.name}", "RTarget": "gpu-node-0", "Operand": "set_contains_any"} in (
+        prefetch["TaskGroups"][0]["Constraints"]
+    )
+    alloc = make_alloc(prefetch)
+    alloc["TaskGroup"] = prefetch["TaskGroups"][0]["Name"]
+    node.store.upsert_alloc(alloc)
+    node.client.start_alloc(alloc["ID"])
+    done = await wait_alloc(
+        node.store, alloc["ID"], lambda a: a.get("ClientStatus") in ("complete", "failed")
+    )
+    assert done["ClientStatus"] == "complete", stderr(node, alloc["ID"], FETCH_TASK)
+    assert node.server.bytes_served == len(WEIGHTS)
+
+    node.server.reset_counts()
+    first_start = start(node, job_for(m))
+    await wait_running(node, first_start)
+    assert await engine_said(node, first_start) == f"{len(WEIGHTS)} False"
+    assert node.server.bytes_served == 0
