@@ -44,8 +44,9 @@ from devstack.gguf_tiny import write_tiny_gguf  # noqa: E402
 from devstack.nomad.nodes import NODE_GPUS_VAR  # noqa: E402
 from devstack.nomad.taskenv import AllocPaths, build_task_env, interpolate  # noqa: E402
 from devstack.ports import free_port  # noqa: E402
+from nomad_driver.engines.llama_cpp import RPC_SERVERS_VAR  # noqa: E402
 from nomad_driver.node_agent.agent import NodeAgent, NodeAgentConfig  # noqa: E402
-from nomad_driver.render import RPC_SERVERS_VAR, render_job  # noqa: E402
+from nomad_driver.render import render_job  # noqa: E402
 from nomad_driver.spec import parse_models  # noqa: E402
 
 MODELS = """

@@ -11,7 +11,7 @@ this program, which plays the CUDA build's part from the node's GPUs:
 - `llama-server --device CUDA<n>,...` and `ggml-rpc-server --device ...` exit 1 with llama.cpp's
   own words when a named device is not visible, and are otherwise dropped (a CPU build refuses
   them) before the real program runs;
-- the llama-cpp-python probe of `nomad_driver.gpu_check` prints the visible devices;
+- the llama-cpp-python probe of `nomad_driver.engines.llama_cpp_python` prints the visible devices;
 - asked for GPU layers while seeing none, it logs CUDA's line and runs on the CPU anyway, as
   the real build does.
 
@@ -32,7 +32,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from nomad_driver.gpu_check import LLAMA_CPP_PYTHON_PROBE
+from nomad_driver.engines.llama_cpp_python import DEVICE_PROBE
 
 NODE_GPUS_VAR = "LLMGW_DEVSTACK_NODE_GPUS"
 NO_DEVICE = "ggml_cuda_init: failed to initialize CUDA: no CUDA-capable device is detected"
@@ -106,7 +106,7 @@ def run(program: str, args: list[str], environ: dict[str, str]) -> int:
         print("Available devices:")
         print("\n".join(_device_line(i, g) for i, g in enumerate(seen)) or "  (none)")
         return 0
-    if name == "python" and args == ["-c", LLAMA_CPP_PYTHON_PROBE]:
+    if name == "python" and args == ["-c", DEVICE_PROBE]:
         print("\n".join(f"CUDA{i}:" for i in range(len(seen))))
         return 0
     if name in ("llama-server", "ggml-rpc-server"):

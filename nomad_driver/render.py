@@ -1,37 +1,38 @@
 """A model definition becomes one Nomad service job.
 
 `render_job` builds the job as Nomad's API JSON (what `llmgw apply` submits) around the engine's
-task (`engine_tasks.py`); `render_files.render_hcl` writes that same dict out as HCL, so the two
-can never say different things. Field names are those of
+task, which the engine's own module writes (`engines/`); `render_files.render_hcl` writes that
+same dict out as HCL, so the two can never say different things. Field names are those of
 Nomad's `api` package (`api/jobs.go`, `api/tasks.go`, `api/resources.go`, `api/services.go`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Any
 
-from nomad_driver import gpu_check
+from nomad_driver import engines
 from nomad_driver.draining import SHUTDOWN_DELAY
-from nomad_driver.engine_tasks import (
+from nomad_driver.engines.job_parts import (
+    CHECK_INTERVAL,
+    CHECK_TIMEOUT,
     PORT_LABEL,
-    VLLM_SHM_BYTES,
-    engine_task_config,
-    gpu_devices,
-    readiness_path,
+    RPC_PORT_LABEL,
+    SECOND,
+    SHARD_SERVICE,
+    shard_tag,
 )
 from nomad_driver.fetch.render import add_fetch, weights_of
-from nomad_driver.node_meta import ENGINES_DIR_KEY, engine_meta_key, interpolated
+from nomad_driver.node_meta import engine_meta_key, interpolated
 from nomad_driver.placement import fabric_constraint, gpu_count_constraint
-from nomad_driver.spec import Model
-from nomad_driver.weights import Weights
+from nomad_driver.spec import Model, Profile
 
 GROUP_NAME = "engine"
 TASK_NAME = "engine"
 SERVICE_NAME = "llmgw-engine"
 
-SECOND = 1_000_000_000
+GPU_DEVICE = "nvidia/gpu"
+
 MINUTE = 60 * SECOND
 HOUR = 60 * MINUTE
 
@@ -54,8 +55,6 @@ RESCHEDULE_POLICY = {
 }
 # `max_parallel = 0` is Nomad's own "no deployments" (`UpdateStrategy.IsEmpty`); see render_job.
 UPDATE_STRATEGY = {"MaxParallel": 0}
-CHECK_INTERVAL = 5 * SECOND
-CHECK_TIMEOUT = 2 * SECOND
 
 
 def render_job(model: Model, *, namespace: str | None = None, job_id: str | None = None) -> dict[str, Any]:
@@ -70,8 +69,9 @@ def render_job(model: Model, *, namespace: str | None = None, job_id: str | None
     if model.profile.nodes > 1:
         return render_replica_job(model, 0, namespace=namespace, job_id=job_id)
     p = model.profile
+    engine = engines.get(p.engine)
     weights = weights_of(model)
-    driver, config = engine_task_config(model, weights)
+    driver, config = engine.task(model, weights)
 
     resources: dict[str, Any] = {"CPU": p.cpu_mhz, "MemoryMB": p.memory_mib}
     devices = gpu_devices(p)
@@ -96,7 +96,7 @@ def render_job(model: Model, *, namespace: str | None = None, job_id: str | None
             {
                 "Name": "engine ready",
                 "Type": "http",
-                "Path": readiness_path(p.engine),
+                "Path": engine.readiness_path,
                 "Interval": CHECK_INTERVAL,
                 "Timeout": CHECK_TIMEOUT,
             }
@@ -158,6 +158,25 @@ def render_job(model: Model, *, namespace: str | None = None, job_id: str | None
     return job
 
 
+def gpu_devices(p: Profile) -> list[dict[str, Any]]:
+    if p.gpus == 0:
+        return []
+    constraints = []
+    if p.gpu_memory_mib > 0:
+        # With a unit on the right-hand side Nomad compares unit-aware against the plugin's
+        # `memory` attribute (an int in MiB); a bare number would not compare at all.
+        constraints.append(
+            {"LTarget": "${device.attr.memory}", "RTarget": f"{p.gpu_memory_mib} MiB", "Operand": ">="}
+        )
+    if p.gpu_models:
+        # Exact names as NVML reports them; set_contains_any matches one of several, where a
+        # three-part device name could name only one.
+        constraints.append(
+            {"LTarget": "${device.model}", "RTarget": ",".join(p.gpu_models), "Operand": "set_contains_any"}
+        )
+    return [{"Name": GPU_DEVICE, "Count": p.gpus, "Constraints": constraints, "Affinities": []}]
+
+
 # --- multi-node replicas ---------------------------------------------------------------------
 #
 # A model with `nodes: N` runs each replica as one Nomad job of its own: a leader group (count 1)
@@ -168,14 +187,6 @@ def render_job(model: Model, *, namespace: str | None = None, job_id: str | None
 
 LEADER_GROUP = GROUP_NAME  # the leader keeps the name that status and summaries know as the replica
 SHARD_GROUP = "shard"
-SHARD_SERVICE = "llmgw-shard"
-RPC_PORT_LABEL = "rpc"
-RAY_PORT_LABEL = "ray"
-RPC_SERVERS_VAR = "RPC_SERVERS"
-RAY_HEAD_VAR = "RAY_HEAD_ADDRESS"
-RAY_HEAD_SERVICE = "llmgw-ray-head"
-# Ray's head and workers, and vLLM's own processes, in the same vLLM image.
-RAY_HEAD_PORT = 6379
 
 
 def replica_job_id(model: Model, replica: int) -> str:
@@ -187,167 +198,6 @@ def replica_job_id(model: Model, replica: int) -> str:
 
 def replica_job_ids(model: Model) -> list[str]:
     return [replica_job_id(model, k) for k in range(model.replicas_max)]
-
-
-def shard_tag(job_id: str) -> str:
-    """The tag the shards of one replica carry; the leader's template looks up exactly these."""
-    return f"job={job_id}"
-
-
-def _shard_lookup(job_id: str) -> str:
-    # consul-template's `service "TAG.NAME"`: passing instances only, so a shard that fails its
-    # check leaves the list and the leader is restarted without it. A llama.cpp shard has no
-    # check: ggml-rpc-server serves one client at a time and its accept queue holds two, so
-    # while the leader is connected a TCP check's connections queue up unanswered and the check
-    # fails within two intervals, which would restart the leader every minute. Its service is
-    # there while its process runs (Nomad registers it at the start and removes it at the exit),
-    # which is the set the leader needs.
-    return f'service "{shard_tag(job_id)}.{SHARD_SERVICE}"'
-
-
-def _rpc_servers_template(job_id: str) -> dict[str, Any]:
-    """`RPC_SERVERS=host:port,...` of this replica's shards. `restart` on change: the
-    leader's llama-server holds its shards' connections for life, so a new set means a new
-    start (and a vanished shard kills it anyway)."""
-    body = (
-        f"{RPC_SERVERS_VAR}={{{{ range $i, $s := {_shard_lookup(job_id)} }}}}"
-        "{{ if $i }},{{ end }}{{ $s.Address }}:{{ $s.Port }}{{ end }}\n"
-    )
-    return {
-        "EmbeddedTmpl": body,
-        "DestPath": "local/shards.env",
-        "Envvars": True,
-        "ChangeMode": "restart",
-        "Splay": 0,
-    }
-
-
-def _wait_for_shards(workers: int, var: str, command: str) -> list[str]:
-    """A shell that starts the leader only once the template lists all `workers` shards, and
-    otherwise waits, listening on nothing, so its check fails and no half replica serves: when
-    the last shard registers, the template changes and Nomad restarts it into the real start."""
-    script = (
-        f'n=$(printf %s "${var}" | tr , "\n" | grep -c .); '
-        f'if [ "$n" -lt {workers} ]; then '
-        f'echo "waiting for {workers} shard(s), $n registered and healthy" >&2; exec sleep 2147483647; fi; '
-        f"exec {command}"
-    )
-    return ["-c", script]
-
-
-def _replica_engine(model: Model, job_id: str, weights: Weights) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(leader task, shard task) for the model's engine."""
-    p = model.profile
-    engines = interpolated(ENGINES_DIR_KEY)
-    workers = p.nodes - 1
-    if p.engine == "llama.cpp":
-        binary = f"{engines}/llama.cpp/{p.engine_version}"
-        # Leader and shards alike get their GPUs at run time and refuse to start without them.
-        probe = gpu_check.llama_cpp_probe(f"{binary}/llama-server")
-        devices = ["--device", gpu_check.cuda_device_names(p.gpus)] if p.gpus > 0 else []
-        leader_args = [
-            "--model",
-            weights.model_arg,
-            "--host",
-            "${NOMAD_IP_http}",
-            "--port",
-            "${NOMAD_PORT_http}",
-        ]
-        leader_args += [
-            "--ctx-size",
-            str(p.context),
-            "--alias",
-            model.name,
-            "--rpc",
-            f"${{{RPC_SERVERS_VAR}}}",
-        ]
-        # Every layer goes to a device, local GPUs and the shards' alike; without it llama.cpp
-        # keeps the model on the leader's CPU and the shards hold nothing.
-        leader_args += ["-ngl", "999", *devices, *p.args]
-        command = " ".join(_shell_word(a) for a in [f"{binary}/llama-server", *leader_args])
-        wait_args = _wait_for_shards(workers, RPC_SERVERS_VAR, command)
-        if p.gpus > 0:
-            wait_args = gpu_check.checked_script(p.gpus, probe, wait_args[1])
-        leader: dict[str, Any] = {
-            "Driver": "raw_exec",
-            "Config": {"command": "/bin/sh", "args": wait_args},
-            "Templates": [_rpc_servers_template(job_id)],
-            # Without it the task has no Consul identity, and on a Consul with ACLs its lookup
-            # of the shards is answered empty: the leader would wait for ever.
-            "Consul": {},
-        }
-        shard_command = f"{binary}/ggml-rpc-server"
-        shard_args = ["--host", "${NOMAD_IP_rpc}", "--port", "${NOMAD_PORT_rpc}", *devices]
-        shard_config: dict[str, Any] = {"command": shard_command, "args": shard_args}
-        if p.gpus > 0:
-            shard_config = gpu_check.checked_command(p.gpus, probe, shard_command, shard_args)
-        shard: dict[str, Any] = {"Driver": "raw_exec", "Config": shard_config}
-        return leader, shard
-
-    # vLLM over Ray: the leader starts Ray's head and then vLLM, which waits until the Ray
-    # cluster holds the GPUs of all `nodes` (its placement group) before it loads; each shard
-    # finds the head through Consul and joins with its node's GPUs. Pipeline parallelism across
-    # the nodes, tensor parallelism within each.
-    image = f"vllm/vllm-openai:{p.engine_version}"
-    serve = ["vllm", "serve", weights.model_arg, "--served-model-name", model.name, "--host", "0.0.0.0"]
-    serve += ["--port", "${NOMAD_PORT_http}", "--max-model-len", str(p.context)]
-    serve += ["--tensor-parallel-size", str(p.gpus), "--pipeline-parallel-size", str(p.nodes)]
-    serve += ["--distributed-executor-backend", "ray", *p.args]
-    head = (
-        f"ray start --head --node-ip-address=${{NOMAD_IP_{RAY_PORT_LABEL}}} --port=${{NOMAD_PORT_{RAY_PORT_LABEL}}}"
-        " && exec " + " ".join(_shell_word(a) for a in serve)
-    )
-    # Host networking: Ray opens ports of its own between the nodes beyond the one Nomad gives.
-    leader = {
-        "Driver": "docker",
-        "Config": {
-            "image": image,
-            "entrypoint": ["/bin/sh"],
-            "args": ["-c", head],
-            "network_mode": "host",
-            "shm_size": VLLM_SHM_BYTES,
-        },
-    }
-    join = (
-        f'test -n "${RAY_HEAD_VAR}" || {{ echo "waiting for the Ray head in Consul" >&2; exec sleep 2147483647; }}; '
-        f"exec ray start --block --address=${RAY_HEAD_VAR} --node-ip-address=${{NOMAD_IP_{RPC_PORT_LABEL}}} "
-        f"--node-manager-port=${{NOMAD_PORT_{RPC_PORT_LABEL}}}"
-    )
-    shard = {
-        "Driver": "docker",
-        "Config": {
-            "image": image,
-            "entrypoint": ["/bin/sh"],
-            "args": ["-c", join],
-            "network_mode": "host",
-            "shm_size": VLLM_SHM_BYTES,
-        },
-        "Templates": [_ray_head_lookup(job_id)],
-        "Consul": {},  # the head lookup's Consul identity, as the llama.cpp leader's
-    }
-    return leader, shard
-
-
-def _ray_head_lookup(job_id: str) -> dict[str, Any]:
-    """`RAY_HEAD_ADDRESS=host:port` of this replica's head; a new head restarts the shard into it."""
-    body = (
-        f'{RAY_HEAD_VAR}={{{{ range service "{shard_tag(job_id)}.{RAY_HEAD_SERVICE}" }}}}'
-        "{{ .Address }}:{{ .Port }}{{ end }}\n"
-    )
-    return {
-        "EmbeddedTmpl": body,
-        "DestPath": "local/head.env",
-        "Envvars": True,
-        "ChangeMode": "restart",
-        "Splay": 0,
-    }
-
-
-def _shell_word(word: str) -> str:
-    """One argument for /bin/sh; `${VAR}` is left for Nomad to interpolate before the shell runs."""
-    if re.fullmatch(r"[A-Za-z0-9_./:=,@%+${}-]+", word):
-        return word
-    return "'" + word.replace("'", "'\\''") + "'"
 
 
 def render_replica_job(
@@ -383,7 +233,8 @@ def render_replica_job(
     running = replica < model.replicas_min
 
     leader = job["TaskGroups"][0]
-    leader_task, shard_task = _replica_engine(model, job_id, weights_of(model))
+    parts = engines.get(p.engine).replica_tasks(model, job_id, weights_of(model))
+    leader_task, shard_task = parts.leader, parts.shard
     template_task = leader["Tasks"][0]
     # The leader loads the weights; the fetch task stays beside it (fetch/render.py).
     fetch_tasks = leader["Tasks"][1:]
@@ -398,19 +249,10 @@ def render_replica_job(
     leader["Tasks"] = [_ordered_task(leader_task), *fetch_tasks]
     leader["Count"] = 1 if running else 0
     leader["Scaling"] = {"Min": 0, "Max": 1, "Enabled": False}
-    if p.engine == "vllm":
-        leader["Networks"] = [
-            {"DynamicPorts": [{"Label": PORT_LABEL}, {"Label": RAY_PORT_LABEL}], "ReservedPorts": []}
-        ]
-        leader["Services"].append(
-            {
-                "Name": RAY_HEAD_SERVICE,
-                "PortLabel": RAY_PORT_LABEL,
-                "Tags": [shard_tag(job_id), f"model={model.name}"],
-                "Meta": {"model": model.name, "def_hash": model.def_hash, "job": job_id},
-                "Checks": [_tcp_check("ray head up", RAY_PORT_LABEL)],
-            }
-        )
+    if parts.leader_ports:
+        ports = [{"Label": label} for label in (PORT_LABEL, *parts.leader_ports)]
+        leader["Networks"] = [{"DynamicPorts": ports, "ReservedPorts": []}]
+    leader["Services"].extend(parts.leader_services)
 
     shard_group: dict[str, Any] = {
         "Name": SHARD_GROUP,
@@ -426,11 +268,7 @@ def render_replica_job(
                 "PortLabel": RPC_PORT_LABEL,
                 "Tags": [shard_tag(job_id), f"model={model.name}"],
                 "Meta": {"model": model.name, "def_hash": model.def_hash, "job": job_id},
-                **(
-                    {}
-                    if p.engine == "llama.cpp"
-                    else {"Checks": [_tcp_check("shard listening", RPC_PORT_LABEL)]}
-                ),
+                **({"Checks": list(parts.shard_checks)} if parts.shard_checks else {}),
             }
         ],
         "RestartPolicy": leader["RestartPolicy"],
@@ -444,16 +282,6 @@ def render_replica_job(
     }
     job["TaskGroups"] = [leader, shard_group]
     return job
-
-
-def _tcp_check(name: str, port: str) -> dict[str, Any]:
-    return {
-        "Name": name,
-        "Type": "tcp",
-        "PortLabel": port,
-        "Interval": CHECK_INTERVAL,
-        "Timeout": CHECK_TIMEOUT,
-    }
 
 
 def _ordered_task(task: dict[str, Any]) -> dict[str, Any]:

@@ -16,13 +16,12 @@ from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic_core import PydanticCustomError
 
+from nomad_driver import engines
 from nomad_driver.durations import parse_duration
 from nomad_driver.redaction import SECRETS_HINT, redact, source_credentials
 from nomad_driver.spec_yaml import SpecError, describe, load_yaml, pydantic_problems
-
-Engine = Literal["llama.cpp", "vllm", "llama-cpp-python"]
-ENGINES: tuple[str, ...] = ("llama.cpp", "vllm", "llama-cpp-python")
 
 DEFAULT_IDLE_TIMEOUT_S = 15 * 60.0
 DEFAULT_ACTIVATION_TIMEOUT_S = 5 * 60.0
@@ -52,10 +51,6 @@ SOURCE_SCHEMES = ("hf", "https", "s3", "file")
 MAX_REPLICAS = 10_000
 MAX_TARGET_IN_FLIGHT = 100_000
 DEFAULT_SCALE_DOWN_DELAY_S = 5 * 60.0
-# Slots a replica serves at once when the profile does not say: llama-server's default
-# `--parallel` (4 since it sizes slots itself), llama-cpp-python's one request at a time, and a
-# conservative share of vLLM's continuous batch (it admits far more, but latency climbs first).
-ENGINE_SLOTS: dict[str, int] = {"llama.cpp": 4, "llama-cpp-python": 1, "vllm": 32}
 MAX_MEMORY_MIB = 64 * 1024 * 1024  # 64 TiB of host memory
 MAX_GPU_MEMORY_MIB = 16 * 1024 * 1024  # 16 TiB per GPU
 MAX_CPU_MHZ = 10_000_000
@@ -67,7 +62,8 @@ class Profile(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
-    engine: Engine
+    # One of the registered engines (nomad_driver/engines/), checked by `_registered_engine`.
+    engine: str
     engine_version: str
     gpus: int = Field(default=1, ge=0, le=64)
     # Per GPU, in MiB, as Nomad's nvidia device plugin reports `memory`; 0 asks for any size.
@@ -78,8 +74,8 @@ class Profile(BaseModel):
     memory_mib: int = Field(default=4096, ge=10, le=MAX_MEMORY_MIB)
     context: int = Field(default=4096, ge=1, le=MAX_CONTEXT)
     args: list[str] = Field(default_factory=list)
-    # llama-cpp-python guesses the chat template from the GGUF and guesses wrong for some models
-    # (Gemma answers empty strings with its fallback), so the profile can name it.
+    # The chat template, for an engine that would guess it from the weights and can guess
+    # wrong (`takes_chat_format`).
     chat_format: str | None = None
     # Where its jobs may run: a Nomad node pool (the GPU nodes' own pool, `gpu` in the operating
     # guide) and datacenters. Unset, Nomad's defaults apply: the namespace's default pool (else
@@ -96,6 +92,16 @@ class Profile(BaseModel):
     # as each new one turns ready; `replace` registers it over them, all at once.
     update: Literal["surge", "rolling", "replace"] = "surge"
 
+    @field_validator("engine", mode="before")
+    @classmethod
+    def _registered_engine(cls, value: Any) -> Any:
+        # Worded as the one-of-these-names problem any other choice in the file gets.
+        if isinstance(value, str) and value in engines.ENGINES:
+            return value
+        known = [repr(name) for name in engines.names()]
+        expected = known[0] if len(known) == 1 else f"{', '.join(known[:-1])} or {known[-1]}"
+        raise PydanticCustomError("literal_error", "Input should be {expected}", {"expected": expected})
+
     @field_validator("args", mode="before")
     @classmethod
     def _numbers_as_strings(cls, value: Any) -> Any:
@@ -111,7 +117,7 @@ class _Replicas(BaseModel):
     min: int = Field(default=1, le=MAX_REPLICAS)
     max: int | None = Field(default=None, le=MAX_REPLICAS)
     # Requests in flight one replica should carry before another is asked for; unset, the
-    # engine's own slots (`default_target_in_flight`).
+    # engine's own slots (its `target_in_flight`).
     target_in_flight: int | None = Field(default=None, le=MAX_TARGET_IN_FLIGHT)
     # How long a lower load must hold before replicas are stopped; checked by parse_duration.
     scale_down_delay: Any = None
@@ -157,9 +163,6 @@ def job_id_for(model_name: str) -> str:
 
 
 PLACEMENT_KEYS = ("node_pool", "datacenters")
-# Engines that can split one model across nodes: llama.cpp over RPC (`ggml-rpc-server` on the
-# workers), vLLM over Ray. llama-cpp-python's server has no RPC backend built in.
-SHARDING_ENGINES = ("llama.cpp", "vllm")
 
 
 def definition_hash(source: str, profile: Profile) -> str:
@@ -202,7 +205,7 @@ def source_problem(source: str, engine: str) -> str | None:
         segments = [s for s in (parts.netloc + parts.path).split("/") if s]
         if len(segments) < 2:
             return f"hf source {source!r} must name ORG/REPO and, for a GGUF engine, a file in it"
-        if len(segments) == 2 and engine != "vllm":
+        if len(segments) == 2 and not engines.get(engine).loads_repositories:
             return (
                 f"hf source {source!r} names a repository; {engine} loads one file: "
                 "use hf://ORG/REPO/FILE.gguf"
@@ -215,7 +218,7 @@ def source_problem(source: str, engine: str) -> str | None:
             return f"s3 source {source!r} must name a bucket and a key: s3://BUCKET/KEY"
     elif scheme == "file" and (parts.netloc or not parts.path.startswith("/")):
         return f"file source {source!r} must be an absolute path: file:///ABSOLUTE/PATH"
-    if engine != "vllm" and source.endswith("/"):
+    if not engines.get(engine).loads_repositories and source.endswith("/"):
         return f"source {source!r} is a directory; {engine} loads one GGUF file"
     return None
 
@@ -309,16 +312,17 @@ def _parse_profiles(raw: Any, problems: list[str]) -> dict[str, Profile]:
                 f"{path}.engine_version: {profile.engine_version!r} is not a version: "
                 "letters, digits, '.', '_' and '-' only"
             )
-        if profile.engine == "vllm" and profile.gpus == 0:
-            problems.append(f"{path}.gpus: vllm needs at least one GPU")
+        engine = engines.get(profile.engine)
+        problems.extend(engine.profile_problems(path, profile))
         for i, gpu_model in enumerate(profile.gpu_models):
             # The constraint is set_contains_any over a comma-separated list.
             if not gpu_model.strip() or "," in gpu_model:
                 problems.append(f"{path}.gpu_models.{i}: expected a GPU model name without commas")
         if profile.gpus == 0 and (profile.gpu_models or profile.gpu_memory_mib):
             problems.append(f"{path}: gpu_memory_mib and gpu_models need gpus >= 1")
-        if profile.chat_format is not None and profile.engine != "llama-cpp-python":
-            problems.append(f"{path}.chat_format: only llama-cpp-python takes a chat_format")
+        if profile.chat_format is not None and not engine.takes_chat_format:
+            takers = " or ".join(engines.taking_chat_format())
+            problems.append(f"{path}.chat_format: only {takers} takes a chat_format")
         if profile.node_pool is not None and not NODE_POOL_RE.fullmatch(profile.node_pool):
             problems.append(
                 f"{path}.node_pool: {profile.node_pool!r} is not a Nomad node pool name: "
@@ -340,10 +344,10 @@ def _nodes_problems(path: str, profile: Profile) -> list[str]:
     """What stops a multi-node profile from working, before any job is rendered."""
     if profile.nodes == 1:
         return []
-    if profile.engine not in SHARDING_ENGINES:
+    if not engines.get(profile.engine).shards_over:
         return [
             f"{path}.nodes: {profile.engine} cannot split a model across nodes; "
-            f"use engine {' or '.join(SHARDING_ENGINES)} for nodes: {profile.nodes}, or nodes: 1"
+            f"use engine {' or '.join(engines.sharding())} for nodes: {profile.nodes}, or nodes: 1"
         ]
     return []
 
@@ -430,28 +434,12 @@ def _parse_models(
             activation_timeout_s=activation,
             def_hash=definition_hash(doc.source, profile),
             job_id=job_id_for(name),
-            target_in_flight=target if target is not None else default_target_in_flight(profile),
+            target_in_flight=target
+            if target is not None
+            else engines.get(profile.engine).target_in_flight(profile),
             scale_down_delay_s=delay,
         )
     return models
-
-
-def default_target_in_flight(profile: Profile) -> int:
-    """The requests one replica serves at once: llama-server's `--parallel N` (`-np N`,
-    `--parallel=N`) when the profile's args set it, else the engine's default slots. More in
-    flight than slots is a queue inside the engine, which is the latency load scaling exists
-    to remove."""
-    if profile.engine == "llama.cpp":
-        args = profile.args
-        for i, arg in enumerate(args):
-            value = None
-            if arg in ("--parallel", "-np") and i + 1 < len(args):
-                value = args[i + 1]
-            elif arg.startswith("--parallel="):
-                value = arg.split("=", 1)[1]
-            if value is not None and value.isdigit() and int(value) > 0:
-                return int(value)
-    return ENGINE_SLOTS[profile.engine]
 
 
 def _known(declared: list[str]) -> str:

@@ -17,7 +17,8 @@ WEIGHTS_DIR = "${NOMAD_TASK_DIR}/model"
 @dataclass(frozen=True)
 class Weights:
     """How the engine gets its weights: an artifact Nomad downloads into the task directory, or,
-    for a Hugging Face repository given to vLLM, a name the engine resolves itself."""
+    for a whole Hugging Face repository (which only an engine that `loads_repositories` is
+    given), a name the engine resolves itself."""
 
     model_arg: str
     artifact: dict[str, Any] | None
@@ -30,7 +31,7 @@ def weights_for(source: str) -> Weights:
     if parts.scheme == "hf":
         segments = [s for s in (parts.netloc + parts.path).split("/") if s]
         if len(segments) == 2:
-            # vLLM downloads a whole repository itself; go-getter cannot list a Hub repository.
+            # The engine downloads a whole repository itself; go-getter cannot list a Hub one.
             return Weights(model_arg="/".join(segments), artifact=None)
         org, repo, *path = segments
         revision = "main"

@@ -1,9 +1,8 @@
 """A non-streamed answer built from a stream, for engines that cannot stop a non-streamed
-completion whose client left (llama-cpp-python, and llama-server while it is busy).
+completion whose client left (`answers_assembled`; each engine's module says why it is so).
 
-llama-cpp-python's server generates a non-streamed completion in a worker thread that never
-looks at the connection: a client that hangs up after a second still costs the engine its whole
-answer, and every request behind it waits. Its streams, though, stop at the next token once the
+Such an engine generates a non-streamed answer to its end however early its client hung up,
+and every request behind it waits; its streams, though, stop at the next token once the
 connection closes. So for such engines the router asks for a stream and hands the client the
 JSON answer the engine would have sent; closing the stream is then what stops the engine.
 """
@@ -15,24 +14,14 @@ from typing import Any
 
 import aiohttp
 
+from nomad_driver import engines
 from nomad_driver.safeload import LoadError, json_loads
 from router.errors import RouterError, redacted
 from router.proxy import EventTooLarge, StreamBroken, read_events
 
-# Engines that finish a non-streamed completion whoever listens. llama-server does look at the
-# connection while it waits for a non-streamed result, but only when a one-second wait for
-# results times out (server_response_reader::next in tools/server/server-queue.cpp), and every
-# result of any other request (another slot's stream, a /slots or /metrics read) wakes that
-# wait first: on an engine with anything else going on, a non-streamed answer whose client
-# left runs to its end (measured: 20 s and counting at 700 tokens/s while /slots was read five
-# times a second; cancelled within a second once nothing else happened). Its streams check the
-# connection at every token. vLLM's OpenAI server cancels the handler on disconnect, so its
-# answers pass through untouched, as do those of replicas without a definition: what their
-# engine does is not known.
-ASSEMBLED_ENGINES = frozenset({"llama-cpp-python", "llama.cpp"})
 ASSEMBLED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 # Said on an assembled answer whose usage the router counted itself, because the engine's
-# stream carried none (llama-cpp-python ignores `stream_options`): the completion tokens are
+# stream carried none (an engine that ignores `stream_options`): the completion tokens are
 # the tokens streamed, and the prompt's tokens are not known.
 USAGE_COUNTED = (b"x-llmgw-usage", b"counted")
 # What an OpenAI stream chunk has; anything else is the engine's own.
@@ -42,8 +31,11 @@ CHUNK_FIELDS = frozenset(
 
 
 def needs_stream(engine: str | None, path: str, request: dict[str, Any]) -> bool:
-    """Whether a request goes upstream as a stream to be assembled for its client."""
-    return engine in ASSEMBLED_ENGINES and path in ASSEMBLED_PATHS and request.get("stream") is not True
+    """Whether a request goes upstream as a stream to be assembled for its client. A replica
+    without a definition is passed through untouched: what its engine does is not known."""
+    known = engines.find(engine)
+    assembled = known is not None and known.answers_assembled
+    return assembled and path in ASSEMBLED_PATHS and request.get("stream") is not True
 
 
 def streamed_body(request: dict[str, Any]) -> bytes:

@@ -6,19 +6,14 @@ be opened (refused, timed out connecting). Once any byte of the request went out
 that closes without an answer is final (`RequestLost`): the engine may have acted on it, and a
 prompt that crashes its engine, sent again, crashes the next replica too.
 
-So a connection is kept for the next request only to an engine that keeps it open itself.
-llama.cpp's llama-server does not: after every streamed answer it closes the connection at
-once, although the answer's head said `Keep-Alive: timeout=5, max=100` (its chunked content
-provider returns false after `sink.done()`, which cpp-httplib 0.58 takes as a failed write and
-ends the connection; measured: the close arrives 0.02 ms after the answer's last byte). A
-request written on that connection in between, which a burst does, is read and dropped by the
-closing server: lost, and not to be sent again (3 of 14 load-scaling runs, before). The router
-asks llama-server for a stream even for a non-streamed completion (router/assemble.py), so
-nearly every connection to it would end so; it gets a connection per request, which costs a
-fraction of a millisecond beside a completion. The uvicorn engines (llama-cpp-python, vLLM)
-keep a connection until it has been idle 5 s, and the router stops reusing one well before
-that, so it is never written to as the engine closes it. A replica whose engine the router does
-not know (no definition) gets a connection per request too.
+So a connection is kept for the next request only to an engine that keeps it open itself
+(`keeps_connections`; each engine's module says why it does or does not). A request written on
+a connection the engine is closing is read and dropped: lost, and not to be sent again. An
+engine that does not keep connections gets one per request, which costs a fraction of a
+millisecond beside a completion. Those that do (uvicorn's) keep one until it has been idle 5 s,
+and the router stops reusing one well before that, so it is never written to as the engine
+closes it. A replica whose engine the router does not know (no definition) gets a connection
+per request too.
 """
 
 from __future__ import annotations
@@ -26,13 +21,11 @@ from __future__ import annotations
 import aiohttp
 from yarl import URL
 
+from nomad_driver import engines
 from router.config import Limits, Timeouts
 from router.proxy import Held
 
 UPSTREAM_HEADERS = {"Content-Type": "application/json", "Accept-Encoding": "identity"}
-# Engines served by uvicorn, which keeps a connection open between requests until it has been
-# idle for its `timeout_keep_alive` (5 s unless changed; llama-cpp-python and vLLM keep it).
-KEEP_ALIVE_ENGINES = frozenset({"llama-cpp-python", "vllm"})
 # A pooled connection idle this long is closed rather than reused: under the engines' 5 s, with
 # room for a slow loop, so the router never writes into a connection the engine is closing.
 IDLE_REUSE_S = 2.0
@@ -40,7 +33,8 @@ IDLE_REUSE_S = 2.0
 
 def keeps_connections(engine: str | None) -> bool:
     """Whether a connection to a replica of `engine` may carry more than one request."""
-    return engine in KEEP_ALIVE_ENGINES
+    known = engines.find(engine)
+    return known is not None and known.keeps_connections
 
 
 class ConnectFailed(Exception):

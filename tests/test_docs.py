@@ -273,15 +273,21 @@ ENV_NAME_RE = re.compile(r"\b(?:LLMGW|NOMAD|CONSUL)_[A-Za-z0-9_]*[A-Za-z0-9]\b")
 # each is read or set instead, and why the docs name it. The test checks each is still there.
 ELSEWHERE: dict[str, tuple[str, str]] = {
     "NOMAD_IP_http": (
-        "nomad_driver/render.py",
+        "nomad_driver/engines/llama_cpp.py",
         "set by Nomad in a model's task; the engine's command line uses it",
     ),
     "NOMAD_PORT_http": (
-        "nomad_driver/render.py",
+        "nomad_driver/engines/llama_cpp.py",
         "set by Nomad in a model's task; the engine's command line uses it",
     ),
-    "NOMAD_IP_rpc": ("nomad_driver/render.py", "set by Nomad in a multi-node replica's task, for ggml-rpc"),
-    "NOMAD_PORT_rpc": ("nomad_driver/render.py", "set by Nomad in a multi-node replica's task, for ggml-rpc"),
+    "NOMAD_IP_rpc": (
+        "nomad_driver/engines/llama_cpp.py",
+        "set by Nomad in a multi-node replica's task, for ggml-rpc",
+    ),
+    "NOMAD_PORT_rpc": (
+        "nomad_driver/engines/llama_cpp.py",
+        "set by Nomad in a multi-node replica's task, for ggml-rpc",
+    ),
     "NOMAD_TASK_DIR": ("nomad_driver/weights.py", "set by Nomad; where a model's weights are downloaded"),
     "LLMGW_CACHE": ("devstack/llama_cpp.py", "the dev stack's download and build cache"),
     "LLMGW_DEVSTACK_DIR": ("devstack/__main__.py", "the dev stack's state directory"),

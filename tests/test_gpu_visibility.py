@@ -20,7 +20,7 @@ import pytest
 
 from devstack.fake_cuda import visible
 from devstack.fleet import effective_nodes
-from nomad_driver import gpu_check
+from nomad_driver.engines import gpu_check, llama_cpp
 from nomad_driver.render import render_job
 from nomad_driver.spec import parse_models
 from nomad_driver.watcher.admin import model_status
@@ -213,7 +213,7 @@ def test_the_check_refuses_a_literal_device_list_as_nomad_would_have_passed_it(
     # The rendered task's own command line, run with what a task env of the old form gave the
     # engine: the device variable's name, not its value.
     server = str(llama_cpp_engines / "llama.cpp" / "b6500" / "llama-server")
-    config = gpu_check.checked_command(1, gpu_check.llama_cpp_probe(server), server, ["--version"])
+    config = gpu_check.checked_command(1, llama_cpp.gpu_probe(server), server, ["--version"])
     env = {
         "PATH": "/usr/bin:/bin",
         "NVIDIA_VISIBLE_DEVICES": "${NVIDIA_VISIBLE_DEVICES}",

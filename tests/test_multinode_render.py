@@ -11,9 +11,9 @@ from typing import Any
 import hcl2
 import pytest
 
+from nomad_driver.engines.llama_cpp import RPC_SERVERS_VAR
 from nomad_driver.render import (
     GROUP_NAME,
-    RPC_SERVERS_VAR,
     SHARD_GROUP,
     SHARD_SERVICE,
     render_job,

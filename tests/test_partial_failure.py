@@ -10,7 +10,7 @@ from typing import Any
 
 import httpx
 
-from nomad_driver import gpu_check
+from nomad_driver.engines import gpu_check
 from nomad_driver.watcher.admin import model_status
 from tests.test_gpu_visibility import gpu_node
 from tests.watcher_support import read_state, until, watcher_on_standin

@@ -13,7 +13,7 @@ from typing import Any
 import hcl2
 import pytest
 
-from nomad_driver import gpu_check
+from nomad_driver.engines import gpu_check
 from nomad_driver.hcl import job_to_hcl
 from nomad_driver.node_meta import engine_meta_key
 from nomad_driver.render import (

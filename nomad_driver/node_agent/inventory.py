@@ -21,9 +21,10 @@ import logging
 import os
 import re
 import subprocess
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from nomad_driver import engines
 
 log = logging.getLogger("llmgw.node_agent.inventory")
 
@@ -37,21 +38,6 @@ class EngineInstall:
     path: Path
 
 
-def _python_module_version(module: str) -> Callable[[Path], list[str]]:
-    return lambda root: [str(root / "bin" / "python"), "-c", f"import {module}; print({module}.__version__)"]
-
-
-# How each engine says which version it is. llama.cpp's server prints its build number
-# ("version: 6500 (...)"), which is what its `b6500` release tags are named after.
-VERSION_COMMANDS: dict[str, Callable[[Path], list[str]]] = {
-    "llama.cpp": lambda root: [str(root / "llama-server"), "--version"],
-    "llama-cpp-python": _python_module_version("llama_cpp"),
-    "vllm": _python_module_version("vllm"),
-}
-
-
-# The program each engine's SHA256SUMS must list, relative to its version directory.
-MAIN_PROGRAMS = {"llama.cpp": "llama-server", "llama-cpp-python": "bin/python", "vllm": "bin/python"}
 CHECKSUMS_FILE = "SHA256SUMS"
 # What the dynamic loader (or Python's ctypes, quoting it) says when a library the program needs
 # is not in this container, or is older than the one it was built against.
@@ -82,7 +68,8 @@ def sealed(install: EngineInstall) -> str:
         digest, _, name = line.strip().partition(" ")
         if line.strip():
             listed[name.strip().lstrip("*").removeprefix("./")] = digest.lower()
-    main = MAIN_PROGRAMS[install.engine]
+    # The program the engine runs, which a listing must cover.
+    main = engines.get(install.engine).main_program
     if main not in listed:
         return f"{CHECKSUMS_FILE} does not list {main}"
     for name, digest in listed.items():
@@ -97,13 +84,6 @@ def sealed(install: EngineInstall) -> str:
     return ""
 
 
-def _version_matches(engine: str, version: str, output: str) -> bool:
-    if engine == "llama.cpp":
-        build = version.lstrip("b")
-        return re.search(rf"\bversion:\s*{re.escape(build)}\b", output) is not None
-    return output.strip().splitlines()[-1:] == [version] if output.strip() else False
-
-
 class EngineScanner:
     """Scans `<engines_dir>/<engine>/<version>/`. Verification results are cached by the
     directory's mtime, so a node agent running every few seconds does not start a Python
@@ -115,14 +95,15 @@ class EngineScanner:
         self._reported_bad: set[Path] = set()
 
     def _verify(self, install: EngineInstall) -> bool:
-        command = VERSION_COMMANDS[install.engine](install.path)
+        engine = engines.get(install.engine)
+        command = engine.version_command(install.path)
         try:
             done = subprocess.run(command, capture_output=True, text=True, timeout=VERSION_TIMEOUT_S)
         except (OSError, subprocess.TimeoutExpired) as exc:
             self._report_bad(install, str(exc))
             return False
         output = (done.stdout or "") + (done.stderr or "")
-        if done.returncode == 0 and _version_matches(install.engine, install.version, output):
+        if done.returncode == 0 and engine.version_matches(install.version, output):
             return True
         loader = loader_failure(output) if done.returncode != 0 else ""
         if loader:
@@ -160,7 +141,7 @@ class EngineScanner:
         if not self.engines_dir.is_dir():
             return found
         for engine_dir in sorted(self.engines_dir.iterdir()):
-            if engine_dir.name not in VERSION_COMMANDS or not engine_dir.is_dir():
+            if engines.find(engine_dir.name) is None or not engine_dir.is_dir():
                 continue
             for version_dir in sorted(engine_dir.iterdir()):
                 if not version_dir.is_dir():

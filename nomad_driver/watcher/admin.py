@@ -20,23 +20,18 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from nomad_driver import engines
 from nomad_driver.admin_api import TOKEN_ENV
 from nomad_driver.certs import register_cert_collector
 from nomad_driver.consul import ConsulError
 from nomad_driver.fetch.progress import read_progress
-from nomad_driver.node_meta import ENGINE_KEY_PREFIX, FABRIC_KEY, engine_meta_key, models_cached
+from nomad_driver.node_meta import ENGINE_KEY_PREFIX, FABRIC_KEY, models_cached
 from nomad_driver.placement import job_fabric
 from nomad_driver.redaction import redact
 from nomad_driver.summary import fleet_summary, gpu_use, held_devices, node_state
 from nomad_driver.watcher.decisions import ModelView
 from nomad_driver.watcher.loop import NotLeader, UnknownModel, Watcher
 from nomad_driver.watcher.scaling import REASONS
-
-# Node meta key -> engine name. The key is a mangled name (`llama.cpp` and `llama_cpp` would
-# both be `llmgw_engine_llama_cpp`), so the known engines are mapped back by name; a key no
-# engine maps to is shown with its suffix, so a new engine is visible before llmgw knows it.
-KNOWN_ENGINES = ("llama.cpp", "llama-cpp-python", "vllm")
-ENGINE_BY_META_KEY = {engine_meta_key(e): e for e in KNOWN_ENGINES}
 
 
 def node_engines(node: Mapping[str, Any]) -> dict[str, list[str]]:
@@ -48,7 +43,9 @@ def node_engines(node: Mapping[str, Any]) -> dict[str, list[str]]:
     for key, value in meta.items():
         if not str(key).startswith(ENGINE_KEY_PREFIX):
             continue
-        engine = ENGINE_BY_META_KEY.get(str(key), str(key)[len(ENGINE_KEY_PREFIX) :])
+        # A key no known engine maps to is shown with its suffix, so a new engine is visible
+        # before llmgw knows it.
+        engine = engines.from_meta_key(str(key)) or str(key)[len(ENGINE_KEY_PREFIX) :]
         versions = [v.strip() for v in str(value or "").split(",") if v.strip()]
         if versions:
             out[engine] = sorted(set(versions))

@@ -26,7 +26,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from nomad_driver import gpu_check
+from nomad_driver import engines
 from nomad_driver.fetch.errors import FAILED_PREFIX as FETCH_FAILED_PREFIX
 from nomad_driver.fetch.render import FETCH_TASK
 from nomad_driver.fields import as_int
@@ -340,17 +340,13 @@ def _event_text(ev: Mapping[str, Any]) -> str:
     return str(ev.get("Message") or kind)
 
 
-# From most to least telling. An engine's stderr ends in a traceback whose last line is often
-# generic ("Failed to load model from file"); the loader's own line a few lines up says why.
-_TELLING = [
-    # llmgw's fetch of the weights says which of its causes failed it (fetch/errors.py): never
-    # an engine crash.
-    re.compile("^" + re.escape(FETCH_FAILED_PREFIX)),
-    # llmgw's own GPU check (gpu_check.py) names what the engine saw; the engine's lines after
-    # it, if any, are consequences.
-    gpu_check.FAILED_PATTERN,
-    re.compile(r"unknown model architecture", re.I),
-    re.compile(r"error loading model", re.I),
+# llmgw's fetch of the weights says which of its causes failed it (fetch/errors.py): never an
+# engine crash, and ahead of every engine's patterns.
+_FETCH_FAILED = re.compile("^" + re.escape(FETCH_FAILED_PREFIX))
+# From most to least telling, after llmgw's own GPU check and each engine's own words
+# (`engines.startup_error_patterns`): an engine's stderr ends in a traceback whose last line is
+# often generic ("Failed to load model from file"); the loader's own line a few lines up says why.
+_ANY_ENGINE = [
     re.compile(r"out of memory|CUDA error|cudaMalloc|no CUDA-capable|OOM", re.I),
     re.compile(r"no such file|not found|permission denied", re.I),
     re.compile(r"\berror\b", re.I),
@@ -365,7 +361,7 @@ def telling_line(stderr_tail: str) -> str:
     before it is cut short, so that no copy of the last error (KV, the Consul UI's check, the
     scaling event in Nomad) holds a credential the engine quoted, nor the start of one."""
     lines = [ln.strip() for ln in stderr_tail.splitlines() if ln.strip()]
-    for pattern in _TELLING:
+    for pattern in [_FETCH_FAILED, *engines.startup_error_patterns(), *_ANY_ENGINE]:
         # The last matching line: the most recent attempt's words, not an earlier warning's.
         for line in reversed(lines):
             if pattern.search(line):

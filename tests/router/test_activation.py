@@ -208,16 +208,19 @@ def test_a_streamed_request_that_waits_gets_keepalive_comments_then_its_tokens(m
 def test_a_streamed_request_refused_after_keepalives_gets_the_refusal_as_an_event(
     make_fleet: MakeFleet,
 ) -> None:
-    fleet = make_fleet(keepalive_s=0.2)
+    # kev's engine never turns ready (an architecture llama.cpp does not know), so the window
+    # runs out however long the ask took. With a model that loads ("brief"), a slow ask on a
+    # loaded machine found the replica already ready and, rightly, served it.
+    fleet = make_fleet(keepalive_s=0.2, kev_window="1s")
     with httpx.stream(
         "POST",
         f"{fleet.router.url}/v1/chat/completions",
-        json={"model": "brief", "messages": [{"role": "user", "content": "hi"}], "stream": True},
+        json={"model": "kev-0.5b", "messages": [{"role": "user", "content": "hi"}], "stream": True},
         timeout=60,
     ) as resp:
         assert resp.status_code == 200
         lines = [line for line in resp.iter_lines() if line]
-    assert lines[0] == ": waiting for a replica of brief"
+    assert lines[0] == ": waiting for a replica of kev-0.5b"
     error = json.loads(lines[-1][len("data: ") :])["error"]
     assert error["code"] == "model_loading"
     assert "no replica became ready within 1s" in error["message"]

@@ -10,19 +10,21 @@ short /bin/sh prologue that reads the device list from its own environment at ru
 it as `CUDA_VISIBLE_DEVICES`, asks the engine itself how many CUDA devices it sees, and exits
 with a cause that names both counts and the list when it sees fewer than it asked for. The
 watcher counts that exit as a failed start like any other and parks on it after five.
+
+The prologue is the same for every raw_exec engine; how an engine lists its devices is its own
+(the probe each engine module passes in).
 """
 
 from __future__ import annotations
 
 import re
-import shlex
 
 # The cause's first words: what the watcher keeps as the last error, before any engine line.
 FAILED_PREFIX = "llmgw: GPU check failed"
 FAILED_PATTERN = re.compile(re.escape(FAILED_PREFIX))
 
-# A device listing prints one line per device as `CUDA<n>: <name> (...)`; llama.cpp's
-# `--list-devices` does so, and the Python probe below prints the same form.
+# A device listing prints one line per device as `CUDA<n>: <name> (...)`; each raw_exec
+# engine's probe (its module's `gpu_probe`) prints that form.
 _LISTED_DEVICE = "^ *CUDA[0-9][0-9]*:"
 
 # POSIX sh, written without `${` anywhere: Nomad would interpolate a `${NAME}` in the task's
@@ -45,34 +47,6 @@ _PROLOGUE = (
 
 # The name the shell reports as $0 in its own messages.
 SCRIPT_NAME = "llmgw-gpu-check"
-
-# llama-cpp-python has no device listing of its own; its bundled ggml does. ggml's device
-# registry is process-wide, so the count is what the engine will see in the same environment.
-LLAMA_CPP_PYTHON_PROBE = (
-    "import ctypes, pathlib, llama_cpp; "
-    "lib = ctypes.CDLL(str(pathlib.Path(llama_cpp.__file__).parent / 'lib' / 'libggml.so')); "
-    "lib.ggml_backend_dev_count.restype = ctypes.c_size_t; "
-    "lib.ggml_backend_dev_get.restype = ctypes.c_void_p; lib.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]; "
-    "lib.ggml_backend_dev_name.restype = ctypes.c_char_p; lib.ggml_backend_dev_name.argtypes = [ctypes.c_void_p]; "
-    "names = [lib.ggml_backend_dev_name(lib.ggml_backend_dev_get(i)).decode() "
-    "for i in range(lib.ggml_backend_dev_count())]; "
-    "print('\\n'.join(n + ':' for n in names if n.startswith('CUDA')))"
-)
-
-
-def llama_cpp_probe(llama_server: str) -> str:
-    """llama.cpp's own listing of the devices it can use (`(none)` when CUDA sees none)."""
-    return f"{shlex.quote(llama_server)} --list-devices"
-
-
-def llama_cpp_python_probe(python: str) -> str:
-    return f"{shlex.quote(python)} -c {shlex.quote(LLAMA_CPP_PYTHON_PROBE)}"
-
-
-def cuda_device_names(gpus: int) -> str:
-    """`CUDA0,CUDA1,...`: llama.cpp's `--device` list for the first `gpus` devices it sees. With
-    it, an engine that sees fewer exits ("invalid device") instead of falling back to the CPU."""
-    return ",".join(f"CUDA{i}" for i in range(gpus))
 
 
 def checked_command(gpus: int, probe: str, command: str, args: list[str]) -> dict[str, object]:
