@@ -143,8 +143,12 @@ async def test_a_slow_source_shows_its_progress_and_the_model_starts_when_it_is_
             assert server.bytes_served == size
             # One fetch, never killed nor restarted while it moved, and it ended well. (The
             # engine that follows is not installed on this node; its failure is its own.)
-            allocs = nomad._json(nomad._request("job", "llmgw-tiny", "allocations"), "allocs")
-            alloc = min(allocs, key=lambda a: a["CreateIndex"])
+            def fetch_over() -> Any:
+                allocs = nomad._json(nomad._request("job", "llmgw-tiny", "allocations"), "allocs")
+                first = min(allocs, key=lambda a: a["CreateIndex"])
+                return first if first["TaskStates"]["fetch"]["State"] == "dead" else None
+
+            alloc = await until(fetch_over, 30, "the fetch task over", every=0.3)
             fetch_events = [e["Type"] for e in alloc["TaskStates"]["fetch"]["Events"]]
             assert fetch_events.count("Started") == 1 and "Restarting" not in fetch_events
             assert alloc["TaskStates"]["fetch"]["Failed"] is False
