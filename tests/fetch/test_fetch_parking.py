@@ -141,6 +141,7 @@ async def test_a_slow_source_shows_its_progress_and_the_model_starts_when_it_is_
 
             await until(done, 60, "the download finished", every=0.3)
             assert server.bytes_served == size
+
             # One fetch, never killed nor restarted while it moved, and it ended well. (The
             # engine that follows is not installed on this node; its failure is its own.)
             def fetch_over() -> Any:
