@@ -24,7 +24,8 @@ class Field:
     # attr: `name = value`; duration: nanoseconds as "30s"; map: `name { k = v }`;
     # block: one nested object; presence: the same, written even when empty (a block whose
     # being there is the setting, like a task's `consul {}`); blocks: one nested block per list item; labeled: one block per
-    # item with the item's `label_key` as the block label; ports: Nomad's network ports.
+    # item with the item's `label_key` as the block label; named: one block per map entry, the
+    # key as its label; ports: Nomad's network ports.
     kind: str = "attr"
     schema: Schema | None = None
     label_key: str = "Name"
@@ -88,12 +89,20 @@ TEMPLATE = Schema(
         "Splay": Field("splay", "duration"),
     }
 )
+# The fetch of a model's weights (fetch/render.py): a prestart task, and the weights cache as a
+# host volume that the group asks for and the tasks mount.
+LIFECYCLE = Schema({"Hook": Field("hook"), "Sidecar": Field("sidecar")})
+VOLUME = Schema({"Type": Field("type"), "Source": Field("source"), "ReadOnly": Field("read_only")})
+VOLUME_MOUNT = Schema(
+    {"Volume": Field("volume"), "Destination": Field("destination"), "ReadOnly": Field("read_only")}
+)
 # The task's Consul block, empty: it is what gets the task a Consul workload identity, so that
 # its template's lookups carry a token on a Consul with ACLs.
 CONSUL = Schema({"Namespace": Field("namespace"), "Cluster": Field("cluster")})
 TASK = Schema(
     {
         "Driver": Field("driver"),
+        "Lifecycle": Field("lifecycle", "block", LIFECYCLE),
         "Config": Field("config", "map"),
         "Env": Field("env", "map"),
         "Meta": Field("meta", "map"),
@@ -101,6 +110,7 @@ TASK = Schema(
         "Artifacts": Field("artifact", "blocks", ARTIFACT),
         "Templates": Field("template", "blocks", TEMPLATE),
         "Consul": Field("consul", "presence", CONSUL),
+        "VolumeMounts": Field("volume_mount", "blocks", VOLUME_MOUNT),
         "Resources": Field("resources", "block", RESOURCES),
         "KillTimeout": Field("kill_timeout", "duration"),
     }
@@ -148,6 +158,8 @@ GROUP = Schema(
     {
         "Count": Field("count"),
         "Constraints": Field("constraint", "blocks", CONSTRAINT),
+        "Affinities": Field("affinity", "blocks", AFFINITY),
+        "Volumes": Field("volume", "named", VOLUME),
         "Scaling": Field("scaling", "block", SCALING),
         "Networks": Field("network", "ports"),
         "Services": Field("service", "blocks", SERVICE),
@@ -306,6 +318,15 @@ def _emit_labeled(w: _Writer, depth: int, spec: Field, value: Any, path: str) ->
         w.close(depth)
 
 
+def _emit_named(w: _Writer, depth: int, spec: Field, value: Any, path: str) -> None:
+    """A map of blocks keyed by their label (a group's `volume "NAME"`)."""
+    assert spec.schema is not None
+    for label, item in value.items():
+        w.open(depth, f"{spec.hcl} {quote(label)}")
+        _object(w, depth + 1, item, spec.schema, f"{path}[{label}]", ("Name",))
+        w.close(depth)
+
+
 def _emit_ports(w: _Writer, depth: int, spec: Field, value: Any, path: str) -> None:
     for i, network in enumerate(value):
         unknown = [k for k in network if k not in ("Mode", "DynamicPorts", "ReservedPorts") and network[k]]
@@ -336,6 +357,7 @@ _EMITTERS: dict[str, Callable[[_Writer, int, Field, Any, str], None]] = {
     "presence": _emit_block,
     "blocks": _emit_blocks,
     "labeled": _emit_labeled,
+    "named": _emit_named,
     "ports": _emit_ports,
 }
 

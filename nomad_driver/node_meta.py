@@ -11,6 +11,14 @@ from typing import Any
 ENGINES_DIR_KEY = "llmgw_engines_dir"
 ENGINE_KEY_PREFIX = "llmgw_engine_"
 MODELS_CACHED_KEY = "llmgw_models_cached"
+# Where the node's weights cache is (the `llmgw-weights` host volume's path); the node agent
+# publishes its --models-dir here, and the fetch and the engine read it.
+MODELS_DIR_KEY = "llmgw_models_dir"
+# Set by the operator in the client's `meta`, read by the fetch: the cache's bound (500G), and
+# the stall rule's minimum rate (100K) and window in seconds (300).
+MODELS_MAX_KEY = "llmgw_models_max"
+FETCH_MIN_RATE_KEY = "llmgw_fetch_min_rate"
+FETCH_STALL_WINDOW_KEY = "llmgw_fetch_stall_window"
 FABRIC_KEY = "llmgw_fabric"
 GPU_CLASS_KEY = "llmgw_gpu_class"
 GPU_COUNT_KEY = "llmgw_gpu_count"

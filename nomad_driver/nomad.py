@@ -243,7 +243,11 @@ class Nomad:
 
     def stderr_tail(self, alloc_id: str, task: str, nbytes: int = 4096) -> str:
         """The last `nbytes` of a task's stderr: where an engine says why it died."""
-        params = {"task": task, "type": "stderr", "origin": "end", "offset": nbytes, "plain": "true"}
+        return self.log_tail(alloc_id, task, "stderr", nbytes)
+
+    def log_tail(self, alloc_id: str, task: str, kind: str, nbytes: int = 4096) -> str:
+        """The last `nbytes` of a task's stdout or stderr (a fetch's progress is on stdout)."""
+        params = {"task": task, "type": kind, "origin": "end", "offset": nbytes, "plain": "true"}
         resp = self._request("client.stream_logs", alloc_id, params=params)
         return resp.content[-nbytes:].decode("utf-8", errors="replace")
 

@@ -22,10 +22,10 @@ from nomad_driver.engines.job_parts import (
     SHARD_SERVICE,
     shard_tag,
 )
+from nomad_driver.fetch.render import add_fetch, weights_of
 from nomad_driver.node_meta import engine_meta_key, interpolated
 from nomad_driver.placement import fabric_constraint, gpu_count_constraint
 from nomad_driver.spec import Model, Profile
-from nomad_driver.weights import weights_for
 
 GROUP_NAME = "engine"
 TASK_NAME = "engine"
@@ -70,7 +70,7 @@ def render_job(model: Model, *, namespace: str | None = None, job_id: str | None
         return render_replica_job(model, 0, namespace=namespace, job_id=job_id)
     p = model.profile
     engine = engines.get(p.engine)
-    weights = weights_for(model.source)
+    weights = weights_of(model)
     driver, config = engine.task(model, weights)
 
     resources: dict[str, Any] = {"CPU": p.cpu_mhz, "MemoryMB": p.memory_mib}
@@ -135,6 +135,8 @@ def render_job(model: Model, *, namespace: str | None = None, job_id: str | None
         "Update": UPDATE_STRATEGY,
         "Tasks": [task],
     }
+    # Weights from a remote source come through llmgw's own fetch (fetch/render.py).
+    add_fetch(group, model, task)
 
     job: dict[str, Any] = {
         "ID": job_id or model.job_id,
@@ -231,16 +233,20 @@ def render_replica_job(
     running = replica < model.replicas_min
 
     leader = job["TaskGroups"][0]
-    parts = engines.get(p.engine).replica_tasks(model, job_id, weights_for(model.source))
+    parts = engines.get(p.engine).replica_tasks(model, job_id, weights_of(model))
     leader_task, shard_task = parts.leader, parts.shard
     template_task = leader["Tasks"][0]
+    # The leader loads the weights; the fetch task stays beside it (fetch/render.py).
+    fetch_tasks = leader["Tasks"][1:]
     for task, base in ((leader_task, template_task), (shard_task, template_task)):
         task["Name"] = TASK_NAME
         task["Resources"] = base["Resources"]
         task["KillTimeout"] = base["KillTimeout"]
     if "Artifacts" in template_task:
         leader_task["Artifacts"] = template_task["Artifacts"]
-    leader["Tasks"] = [_ordered_task(leader_task)]
+    if "VolumeMounts" in template_task:
+        leader_task["VolumeMounts"] = template_task["VolumeMounts"]
+    leader["Tasks"] = [_ordered_task(leader_task), *fetch_tasks]
     leader["Count"] = 1 if running else 0
     leader["Scaling"] = {"Min": 0, "Max": 1, "Enabled": False}
     if parts.leader_ports:
@@ -287,6 +293,7 @@ def _ordered_task(task: dict[str, Any]) -> dict[str, Any]:
         "Artifacts",
         "Templates",
         "Consul",
+        "VolumeMounts",
         "Resources",
         "KillTimeout",
     )

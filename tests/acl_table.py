@@ -348,6 +348,9 @@ CLI_VERBS: dict[str, Component | str] = {
     "ctl nodes": ADMIN_API,
     "ctl replicas": ADMIN_API,
     "ctl retry": "the admin API only, no Nomad or Consul token; `LLMGW_ADMIN_TOKEN` where the watchers have one",
+    # Registers the model's prefetch job, as `apply` registers model jobs.
+    "ctl prefetch": "operator",
+    "fetch": "no token: the model job's fetch task, whose template reads the model's Variable with the job's workload identity (a policy attached to the job, models.md)",
 }
 
 

@@ -23,10 +23,10 @@ from nomad_driver.render import (
     SERVICE_NAME,
     render_job,
     render_replica_job,
-    weights_for,
 )
 from nomad_driver.render_files import render_files, render_hcl
 from nomad_driver.spec import Model, definition_hash, load_models, parse_models
+from nomad_driver.weights import weights_for
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = load_models(ROOT / "examples" / "models.yaml")
@@ -82,7 +82,9 @@ def group_of(job: dict[str, Any]) -> dict[str, Any]:
 
 
 def task_of(job: dict[str, Any]) -> dict[str, Any]:
-    (task,) = group_of(job)["Tasks"]
+    """The engine's task (a fetched source adds the prestart `fetch` task after it)."""
+    task, *others = group_of(job)["Tasks"]
+    assert [t["Name"] for t in others] in ([], ["fetch"])
     return task
 
 
@@ -133,7 +135,8 @@ def test_llama_cpp_runs_the_nodes_llama_server_of_that_version() -> None:
     assert task["Driver"] == "raw_exec"
     command, args = gpu_check.engine_command(task["Config"])
     assert command == "${meta.llmgw_engines_dir}/llama.cpp/b6500/llama-server"
-    assert args[:2] == ["--model", "${NOMAD_TASK_DIR}/model/qwen2.5-0.5b-instruct-q4_k_m.gguf"]
+    # An hf:// file comes through llmgw's fetch into the node's cache (fetch/render.py).
+    assert args[:2] == ["--model", "${meta.llmgw_models_dir}/qwen2.5-0.5b/qwen2.5-0.5b-instruct-q4_k_m.gguf"]
     assert args[args.index("--port") + 1] == "${NOMAD_PORT_http}"
     assert args[args.index("--host") + 1] == "${NOMAD_IP_http}"
     assert args[args.index("--ctx-size") + 1] == "8192"
@@ -342,10 +345,18 @@ def test_placement_is_part_of_the_definition_only_when_set() -> None:
 API_FIELDS = {
     "Job": {"ID", "Name", "Type", "Namespace", "Region", "Datacenters", "NodePool", "Meta", "TaskGroups"},
     "TaskGroup": {
-        "Name", "Count", "Constraints", "Scaling", "Networks", "Services",
+        "Name", "Count", "Constraints", "Affinities", "Volumes", "Scaling", "Networks", "Services",
         "RestartPolicy", "ReschedulePolicy", "Update", "ShutdownDelay", "Tasks",
     },
-    "Task": {"Name", "Driver", "Config", "Env", "Artifacts", "Resources", "KillTimeout"},
+    "Task": {
+        "Name", "Driver", "Config", "Env", "Artifacts", "Templates", "Lifecycle", "VolumeMounts",
+        "Resources", "KillTimeout",
+    },
+    "Affinity": {"LTarget", "RTarget", "Operand", "Weight"},
+    "VolumeRequest": {"Name", "Type", "Source", "ReadOnly"},
+    "VolumeMount": {"Volume", "Destination", "ReadOnly"},
+    "TaskLifecycle": {"Hook", "Sidecar"},
+    "Template": {"EmbeddedTmpl", "DestPath", "Envvars", "ChangeMode", "Splay"},
     "Resources": {"CPU", "MemoryMB", "Devices"},
     "RequestedDevice": {"Name", "Count", "Constraints", "Affinities"},
     "Constraint": {"LTarget", "RTarget", "Operand"},
@@ -382,6 +393,14 @@ def test_every_key_is_a_nomad_api_field(model: Model) -> None:
     objects += [("Service", s) for s in group["Services"]]
     objects += [("ServiceCheck", c) for s in group["Services"] for c in s["Checks"]]
     objects += [("TaskArtifact", a) for a in task.get("Artifacts", [])]
+    objects += [("Affinity", a) for a in group.get("Affinities", [])]
+    objects += [("VolumeRequest", v) for v in group.get("Volumes", {}).values()]
+    for other in group["Tasks"][1:]:
+        objects += [("Task", other), ("Resources", other["Resources"])]
+        objects += [("TaskLifecycle", other["Lifecycle"])]
+        objects += [("Template", t) for t in other.get("Templates", [])]
+    for t in group["Tasks"]:
+        objects += [("VolumeMount", m) for m in t.get("VolumeMounts", [])]
     for device in task["Resources"].get("Devices", []):
         objects.append(("RequestedDevice", device))
         objects += [("Constraint", c) for c in device["Constraints"]]
@@ -503,6 +522,21 @@ def job_from_hcl(text: str) -> dict[str, Any]:
             "ShutdownDelay": _ns(g["shutdown_delay"]),
             "Tasks": [],
         }
+        if "affinity" in g:
+            group["Affinities"] = [
+                {
+                    "LTarget": a["attribute"],
+                    "RTarget": a["value"],
+                    "Operand": a["operator"],
+                    "Weight": a["weight"],
+                }
+                for a in g["affinity"]
+            ]
+        if "volume" in g:
+            group["Volumes"] = {
+                alias: {"Name": alias, "Type": v["type"], "Source": v["source"], "ReadOnly": v["read_only"]}
+                for alias, v in _labeled(g["volume"])
+            }
         for task_name, t in _labeled(g["task"]):
             (res,) = t["resources"]
             resources: dict[str, Any] = {"CPU": res["cpu"], "MemoryMB": res["memory"]}
@@ -525,6 +559,25 @@ def job_from_hcl(text: str) -> dict[str, Any]:
             }
             if "env" in t:
                 task["Env"] = t["env"][0]
+            if "lifecycle" in t:
+                (lc,) = t["lifecycle"]
+                task["Lifecycle"] = {"Hook": lc["hook"], "Sidecar": lc["sidecar"]}
+            if "template" in t:
+                task["Templates"] = [
+                    {
+                        "EmbeddedTmpl": tp["data"],
+                        "DestPath": tp["destination"],
+                        "Envvars": tp["env"],
+                        "ChangeMode": tp["change_mode"],
+                        "Splay": _ns(tp["splay"]),
+                    }
+                    for tp in t["template"]
+                ]
+            if "volume_mount" in t:
+                task["VolumeMounts"] = [
+                    {"Volume": m["volume"], "Destination": m["destination"], "ReadOnly": m["read_only"]}
+                    for m in t["volume_mount"]
+                ]
             if "artifact" in t:
                 task["Artifacts"] = [
                     {"GetterSource": a["source"], "GetterMode": a["mode"], "RelativeDest": a["destination"]}

@@ -22,6 +22,7 @@ from typing import Any
 from urllib.parse import unquote, urlparse
 
 from devstack.nomad.consul_template import ServiceTemplateError, lookups, render_services
+from devstack.nomad.nomad_var_template import Lookup, VarTemplateError, render_nomad_vars, uses_nomad_vars
 from devstack.nomad.taskenv import TaskEnv
 
 Json = dict[str, Any]
@@ -140,9 +141,11 @@ def render_templates(
     task_dir: Path,
     alloc_root: Path,
     services: dict[str, list[tuple[str, int]]] | None = None,
+    variables: Lookup | None = None,
 ) -> dict[str, str]:
     """Render every template; returns the variables of `Envvars` templates. `services`: the
-    answers to templates' Consul `service` lookups (devstack.nomad.consul_template)."""
+    answers to templates' Consul `service` lookups (devstack.nomad.consul_template);
+    `variables`: the job's Nomad Variables by path (devstack.nomad.nomad_var_template)."""
     extra_env: dict[str, str] = {}
     for tmpl in templates:
         if tmpl.get("SourcePath"):
@@ -153,7 +156,12 @@ def render_templates(
                 raise TemplateError(f"failed to read template {source}: {exc}") from exc
         else:
             text = str(tmpl.get("EmbeddedTmpl") or "")
-        if lookups(text):
+        if uses_nomad_vars(text):
+            try:
+                rendered = render_nomad_vars(text, variables or (lambda path: None), env.env)
+            except VarTemplateError as exc:
+                raise TemplateError(str(exc)) from exc
+        elif lookups(text):
             try:
                 rendered = render_services(text, services or {}, env.env)
             except ServiceTemplateError as exc:

@@ -7,8 +7,11 @@ ClientDescription, TaskStates), so llmgw sees through the HTTP API the same life
 client reports: Received, Task Setup, Started, Terminated, Restarting, Not Restarting, Killing,
 Killed, and an allocation that ends "failed" when a task exhausts its restart policy.
 
-What the stand-in leaves out, on purpose: lifecycle hooks (prestart/poststart/poststop tasks
-start together with the others), log rotation (`<task>.stdout.0` grows), filesystem isolation
+Lifecycle: main tasks start once every prestart task has completed (or, a sidecar, is running),
+as client/allocrunner/tasklifecycle/coordinator.go orders them; a prestart task that fails takes
+the allocation down with it. Poststart and poststop tasks start with the main tasks.
+
+What the stand-in leaves out, on purpose: log rotation (`<task>.stdout.0` grows), filesystem isolation
 (`exec` runs as `raw_exec`), and deployments (`DeploymentStatus` stays as the scheduler wrote it).
 """
 
@@ -55,6 +58,29 @@ class AllocRunner:
         # within its grace period.
         self.skip_shutdown_delay = asyncio.Event()
         self._sibling_failed = False
+        self._prestart_done = asyncio.Event()
+        self._check_prestart()
+
+    def _check_prestart(self) -> None:
+        for tr in self.tasks.values():
+            if not tr.is_prestart:
+                continue
+            sidecar_up = bool(tr.lifecycle.get("Sidecar")) and tr.state.state == ts.RUNNING
+            completed = tr.state.state == ts.DEAD and not tr.state.failed
+            if not (sidecar_up or completed):
+                return
+        self._prestart_done.set()
+
+    async def wait_for_prestart(self, tr: TaskRunner) -> None:
+        if self._prestart_done.is_set():
+            return
+        done = asyncio.ensure_future(self._prestart_done.wait())
+        killed = asyncio.ensure_future(tr.kill_requested.wait())
+        try:
+            await asyncio.wait({done, killed}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            done.cancel()
+            killed.cancel()
 
     async def run(self) -> None:
         try:
@@ -70,6 +96,8 @@ class AllocRunner:
 
     def task_state_updated(self, tr: TaskRunner) -> None:
         self.client.mark_dirty(self)
+        if tr.is_prestart and not self._prestart_done.is_set():
+            self._check_prestart()
         # A failed task takes its siblings down with it (alloc_runner handleTaskStateUpdates).
         if tr.state.state == ts.DEAD and tr.state.failed and not self._sibling_failed:
             self._sibling_failed = True
@@ -147,6 +175,8 @@ class ClientRunner:
         self.data_dir = Path(data_dir)
         self.alloc_root = self.data_dir / "alloc"
         self.registry = ServiceRegistry(consul_url, clock)
+        # Nomad Variables by (namespace, path), the store's own table: what templates read.
+        self.variables: dict[tuple[str, str], Json] = store.variables
         self.on_alloc_update = on_alloc_update
         self.runners: dict[str, AllocRunner] = {}
         self._finished: set[str] = set()

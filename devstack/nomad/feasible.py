@@ -39,6 +39,7 @@ FILTER_DRIVERS = "missing drivers"
 FILTER_DEVICES = "missing devices"
 FILTER_NETWORK = "missing network"
 FILTER_CLASS_INELIGIBLE = "computed class ineligible"
+FILTER_HOST_VOLUMES = "missing compatible host volumes"  # FilterConstraintHostVolumes
 DISTINCT_HOSTS = "distinct_hosts"
 DISTINCT_PROPERTY = "distinct_property"
 
@@ -564,6 +565,7 @@ class GroupAsk:
     distinct_property_job: list[Constraint]
     distinct_property_group: list[Constraint]
     network_mode: str
+    host_volumes: tuple[tuple[str, bool], ...] = ()  # (source, read_only) of each host volume ask
 
     @classmethod
     def build(cls, job: Json, group: Json) -> GroupAsk:
@@ -593,6 +595,11 @@ class GroupAsk:
             distinct_property_job=[c for c in job_c if c.operand == DISTINCT_PROPERTY],
             distinct_property_group=[c for c in group_c if c.operand == DISTINCT_PROPERTY],
             network_mode=str(((group.get("Networks") or [{}])[0] or {}).get("Mode") or "host"),
+            host_volumes=tuple(
+                (str(v.get("Source") or ""), bool(v.get("ReadOnly")))
+                for v in (group.get("Volumes") or {}).values()
+                if (v.get("Type") or "host") == "host"
+            ),
         )
 
 
@@ -655,7 +662,7 @@ def feasible(view: NodeView, ask: GroupAsk, elig: Eligibility, metric: AllocMetr
             metric.filter_node(view, FILTER_CLASS_INELIGIBLE)
             return False
         if verdict is True:
-            return True
+            return _has_host_volumes(view, ask, metric)
     reason = _group_reason(view, ask)
     if reason is not None:
         metric.filter_node(view, reason)
@@ -664,6 +671,20 @@ def feasible(view: NodeView, ask: GroupAsk, elig: Eligibility, metric: AllocMetr
         return False
     if not ask.group_escaped:
         elig.group[cls] = True
+    return _has_host_volumes(view, ask, metric)
+
+
+def _has_host_volumes(view: NodeView, ask: GroupAsk, metric: AllocMetric) -> bool:
+    """`HostVolumeChecker` (scheduler/feasible/feasible.go): every host volume the group asks
+    for is declared on the node, and one the node offers read-only only to read-only asks.
+    Like Nomad's, it runs after the class-cached checks on every node, since host volumes are
+    no part of the computed class (scheduler/stack.go puts it among the "available" checkers)."""
+    volumes = view.node.get("HostVolumes") or {}
+    for source, read_only in ask.host_volumes:
+        offered = volumes.get(source)
+        if offered is None or (offered.get("ReadOnly") and not read_only):
+            metric.filter_node(view, FILTER_HOST_VOLUMES)
+            return False
     return True
 
 

@@ -62,6 +62,7 @@ _NODE_NS = uuid.UUID("6a1f4f8e-3d2b-4c47-9a3e-6c1b4f0e9d21")
 _NODE_KEYS = {
     "name", "datacenter", "node_pool", "node_class", "cpu_mhz", "cpu_cores", "memory_mib", "disk_mb",
     "status", "eligibility", "drain", "reserved", "attributes", "meta", "gpus", "http_addr", "plugins",
+    "host_volumes",
 }  # fmt: skip
 _GPU_KEYS = {
     "model", "memory_mib", "count", "unhealthy", "lost", "power_w", "bar1_mib", "driver_version",
@@ -283,6 +284,7 @@ def node_from_spec(spec: dict[str, Any]) -> Json:
     if lost:
         meta[LOST_GPUS_META] = ",".join(lost)
 
+    host_volumes = _host_volumes(spec, where)
     http_addr = _str(spec, "http_addr", f"{LOOPBACK}:4646", where)
     attributes = {
         "arch": "x86_64",
@@ -404,7 +406,7 @@ def node_from_spec(spec: dict[str, Any]) -> Json:
         "Drivers": _drivers(attributes),
         "CSIControllerPlugins": None,
         "CSINodePlugins": None,
-        "HostVolumes": None,
+        "HostVolumes": host_volumes,
         "GCVolumesOnNodeGC": False,
         "HostNetworks": None,
         "LastDrain": None,
@@ -416,6 +418,23 @@ def node_from_spec(spec: dict[str, Any]) -> Json:
     }
     node["ComputedClass"] = computed_class(node)
     return node
+
+
+def _host_volumes(spec: Mapping[str, Any], where: str) -> Json | None:
+    """`host_volume "NAME" { path = ..., read_only = ... }` of the client's config, as the node
+    reports it (`Node.HostVolumes`: name -> {Path, ReadOnly}; client/config and
+    nomad/structs ClientHostVolumeConfig). None when the node declares none, as Nomad's JSON has it."""
+    raw = spec.get("host_volumes")
+    if raw is None:
+        return None
+    if not isinstance(raw, Mapping):
+        raise NodeSpecError(f"{where}: 'host_volumes' must map a volume name to {{path, read_only}}")
+    volumes: Json = {}
+    for name, volume in raw.items():
+        if not isinstance(volume, Mapping) or not str(volume.get("path") or "").startswith("/"):
+            raise NodeSpecError(f"{where}: host_volumes.{name}: 'path' must be an absolute path")
+        volumes[str(name)] = {"Path": str(volume["path"]), "ReadOnly": bool(volume.get("read_only", False))}
+    return volumes
 
 
 def load_nodes(path: str | Path) -> list[Json]:

@@ -33,6 +33,8 @@ class RunsServices(Protocol):
 
     @property
     def registry(self) -> ServiceRegistry: ...
+    @property
+    def variables(self) -> dict[tuple[str, str], Json]: ...
 
     def spawn(self, coro: Any) -> None: ...
 
@@ -67,6 +69,8 @@ class TaskHost(Protocol):
 
     def task_state_updated(self, tr: TaskRunner) -> None: ...
 
+    async def wait_for_prestart(self, tr: TaskRunner) -> None: ...
+
 
 class _HookFailure(Exception):
     """A prestart hook failed: `event` goes on the task; `fatal` ends the task without the
@@ -91,7 +95,8 @@ class TaskRunner:
         job_type = str(job.get("Type") or "service")
         if not policy:
             policy = ts.DEFAULT_RESTART_POLICY["batch" if job_type == "batch" else "service"]
-        self.tracker = ts.RestartTracker(policy, job_type, self.clock.now_ns())
+        self.lifecycle: Json = task.get("Lifecycle") or {}
+        self.tracker = ts.RestartTracker(policy, job_type, self.clock.now_ns(), lifecycle=self.lifecycle)
         self.kill_timeout_ns = int(task.get("KillTimeout") or 5 * ts.SECOND)
         self.kill_signal = str(task.get("KillSignal") or "")
         self.state = ts.TaskState()
@@ -144,7 +149,15 @@ class TaskRunner:
                 self.update_state(ts.DEAD)
             self.done.set()
 
+    @property
+    def is_prestart(self) -> bool:
+        return self.lifecycle.get("Hook") == "prestart"
+
     async def _run(self) -> None:
+        if not self.is_prestart:
+            # Main tasks wait for the prestart tasks (tasklifecycle/coordinator.go); a kill while
+            # they wait (a prestart task failed, or the alloc stopped) ends them unstarted.
+            await self.ar.wait_for_prestart(self)
         while not self.kill_requested.is_set():
             try:
                 await self._prestart()
@@ -228,6 +241,14 @@ class TaskRunner:
                 paths.log(self.name, kind).touch()
             self._setup_done = True
         env = build_task_env(self.ar.alloc, self.ar.node, paths, self.task)
+        missing = self._missing_host_volumes()
+        if missing:
+            # volume_hook.go validateHostVolumes: a node that lost a volume since placement.
+            event = ts.set_fails_task(self._event(ts.TASK_SETUP_FAILURE))
+            event["SetupError"] = event["Details"]["setup_error"] = (
+                f"host volume validation error: {'; '.join(f'missing {m}' for m in missing)}"
+            )
+            raise _HookFailure(event, ts.StartError(event["SetupError"]), fatal=True)
         artifacts = self.task.get("Artifacts") or []
         if artifacts and not self._artifacts_done:
             self.emit(self._event(ts.TASK_DOWNLOADING_ARTIFACTS))
@@ -243,12 +264,33 @@ class TaskRunner:
         if templates:
             try:
                 services = await self._service_lookups(templates)
-                env.env.update(render_templates(templates, env, task_dir, paths.root, services))
+                env.env.update(
+                    render_templates(templates, env, task_dir, paths.root, services, self._variable)
+                )
             except (TemplateError, OSError) as exc:
                 event = ts.set_fails_task(self._event(ts.TASK_KILLING))
                 event["DisplayMessage"] = f"Template failed: {exc}"
                 raise _HookFailure(event, ts.StartError(str(exc)), fatal=True) from exc
         self.env = env
+
+    def _missing_host_volumes(self) -> list[str]:
+        """Host volumes the group asks for that the node does not declare. raw_exec (and every
+        driver here) mounts nothing: a raw_exec task has no filesystem isolation and reads the
+        host path itself (drivers/rawexec/driver.go: FSIsolationNone), so a task's
+        `volume_mount` needs no more than the volume being there."""
+        declared = (self.ar.node or {}).get("HostVolumes") or {}
+        asked = (self.ar.group.get("Volumes") or {}).values()
+        return [
+            str(v.get("Source"))
+            for v in asked
+            if (v.get("Type") or "host") == "host" and v.get("Source") not in declared
+        ]
+
+    def _variable(self, path: str) -> dict[str, str] | None:
+        """A Nomad Variable of the job's namespace, as a template reads it."""
+        namespace = str(self.ar.job.get("Namespace") or "default")
+        var = self.ar.client.variables.get((namespace, path))
+        return dict(var.get("Items") or {}) if var is not None else None
 
     async def _service_lookups(self, templates: list[Json]) -> dict[str, list[tuple[str, int]]]:
         """Answers for the templates' Consul `service` lookups, watched from here on so that a

@@ -342,12 +342,26 @@ class RestartTracker:
 
     jitter: float = 0.25
 
-    def __init__(self, policy: Json, job_type: str, now_ns: int, rng: random.Random | None = None) -> None:
+    def __init__(
+        self,
+        policy: Json,
+        job_type: str,
+        now_ns: int,
+        rng: random.Random | None = None,
+        lifecycle: Json | None = None,
+    ) -> None:
         self.attempts = int(policy.get("Attempts") or 0)
         self.interval_ns = int(policy.get("Interval") or 0)
         self.delay_ns = int(policy.get("Delay") or 0)
         self.mode = policy.get("Mode") or "fail"
         self.on_success = job_type not in _NO_RESTART_ON_SUCCESS
+        # Prestart and poststart tasks restart on success only as sidecars; poststop never
+        # (client/allocrunner/taskrunner/restarts/restarts.go NewRestartTracker).
+        hook = str((lifecycle or {}).get("Hook") or "")
+        if hook in ("prestart", "poststart"):
+            self.on_success = bool((lifecycle or {}).get("Sidecar"))
+        elif hook == "poststop":
+            self.on_success = False
         self.start_ns = now_ns
         self.count = 0
         self.reason = ""

@@ -22,6 +22,19 @@ job "llmgw-gemma-3-4b" {
       value     = "0.3.36"
     }
 
+    affinity {
+      attribute = "${meta.llmgw_models_cached}"
+      operator  = "set_contains"
+      value     = "gemma-3-4b"
+      weight    = 50
+    }
+
+    volume "weights" {
+      type      = "host"
+      source    = "llmgw-weights"
+      read_only = false
+    }
+
     scaling {
       min     = 0
       max     = 1
@@ -87,7 +100,7 @@ job "llmgw-gemma-3-4b" {
           "-m",
           "llama_cpp.server",
           "--model",
-          "${NOMAD_TASK_DIR}/model/gemma-3-4b-it-Q4_K_M.gguf",
+          "${meta.llmgw_models_dir}/gemma-3-4b/gemma-3-4b-it-Q4_K_M.gguf",
           "--host",
           "${NOMAD_IP_http}",
           "--port",
@@ -105,10 +118,10 @@ job "llmgw-gemma-3-4b" {
         ]
       }
 
-      artifact {
-        source      = "https://huggingface.co/ggml-org/gemma-3-4b-it-GGUF/resolve/main/gemma-3-4b-it-Q4_K_M.gguf"
-        mode        = "file"
-        destination = "local/model/gemma-3-4b-it-Q4_K_M.gguf"
+      volume_mount {
+        volume      = "weights"
+        destination = "${meta.llmgw_models_dir}"
+        read_only   = true
       }
 
       resources {
@@ -124,6 +137,53 @@ job "llmgw-gemma-3-4b" {
             value     = "22000 MiB"
           }
         }
+      }
+    }
+
+    task "fetch" {
+      driver       = "raw_exec"
+      kill_timeout = "5s"
+
+      lifecycle {
+        hook    = "prestart"
+        sidecar = false
+      }
+
+      config {
+        command = "${meta.llmgw_engines_dir}/llmgw/bin/llmgw"
+        args    = [
+          "fetch",
+          "hf://ggml-org/gemma-3-4b-it-GGUF/gemma-3-4b-it-Q4_K_M.gguf",
+          "--model",
+          "gemma-3-4b",
+          "--cache",
+          "${meta.llmgw_models_dir}",
+          "--max-size",
+          "${meta.llmgw_models_max}",
+          "--min-rate",
+          "${meta.llmgw_fetch_min_rate}",
+          "--stall-window",
+          "${meta.llmgw_fetch_stall_window}"
+        ]
+      }
+
+      template {
+        data        = "{{ if nomadVarExists \"llmgw/sources/gemma-3-4b\" }}{{ range $k, $v := nomadVar \"llmgw/sources/gemma-3-4b\" }}{{ $k }}={{ $v }}\n{{ end }}{{ end }}"
+        destination = "secrets/source.env"
+        env         = true
+        change_mode = "noop"
+        splay       = "0s"
+      }
+
+      volume_mount {
+        volume      = "weights"
+        destination = "${meta.llmgw_models_dir}"
+        read_only   = false
+      }
+
+      resources {
+        cpu    = 500
+        memory = 256
       }
     }
   }

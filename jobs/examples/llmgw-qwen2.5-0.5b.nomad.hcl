@@ -22,6 +22,19 @@ job "llmgw-qwen2.5-0.5b" {
       value     = "b6500"
     }
 
+    affinity {
+      attribute = "${meta.llmgw_models_cached}"
+      operator  = "set_contains"
+      value     = "qwen2.5-0.5b"
+      weight    = 50
+    }
+
+    volume "weights" {
+      type      = "host"
+      source    = "llmgw-weights"
+      read_only = false
+    }
+
     scaling {
       min     = 0
       max     = 2
@@ -85,7 +98,7 @@ job "llmgw-qwen2.5-0.5b" {
           "'${meta.llmgw_engines_dir}/llama.cpp/b6500/llama-server' --list-devices",
           "${meta.llmgw_engines_dir}/llama.cpp/b6500/llama-server",
           "--model",
-          "${NOMAD_TASK_DIR}/model/qwen2.5-0.5b-instruct-q4_k_m.gguf",
+          "${meta.llmgw_models_dir}/qwen2.5-0.5b/qwen2.5-0.5b-instruct-q4_k_m.gguf",
           "--host",
           "${NOMAD_IP_http}",
           "--port",
@@ -103,10 +116,10 @@ job "llmgw-qwen2.5-0.5b" {
         ]
       }
 
-      artifact {
-        source      = "https://huggingface.co/Qwen/Qwen2.5-0.5B-Instruct-GGUF/resolve/main/qwen2.5-0.5b-instruct-q4_k_m.gguf"
-        mode        = "file"
-        destination = "local/model/qwen2.5-0.5b-instruct-q4_k_m.gguf"
+      volume_mount {
+        volume      = "weights"
+        destination = "${meta.llmgw_models_dir}"
+        read_only   = true
       }
 
       resources {
@@ -122,6 +135,53 @@ job "llmgw-qwen2.5-0.5b" {
             value     = "22000 MiB"
           }
         }
+      }
+    }
+
+    task "fetch" {
+      driver       = "raw_exec"
+      kill_timeout = "5s"
+
+      lifecycle {
+        hook    = "prestart"
+        sidecar = false
+      }
+
+      config {
+        command = "${meta.llmgw_engines_dir}/llmgw/bin/llmgw"
+        args    = [
+          "fetch",
+          "hf://Qwen/Qwen2.5-0.5B-Instruct-GGUF/qwen2.5-0.5b-instruct-q4_k_m.gguf",
+          "--model",
+          "qwen2.5-0.5b",
+          "--cache",
+          "${meta.llmgw_models_dir}",
+          "--max-size",
+          "${meta.llmgw_models_max}",
+          "--min-rate",
+          "${meta.llmgw_fetch_min_rate}",
+          "--stall-window",
+          "${meta.llmgw_fetch_stall_window}"
+        ]
+      }
+
+      template {
+        data        = "{{ if nomadVarExists \"llmgw/sources/qwen2~5-0~5b\" }}{{ range $k, $v := nomadVar \"llmgw/sources/qwen2~5-0~5b\" }}{{ $k }}={{ $v }}\n{{ end }}{{ end }}"
+        destination = "secrets/source.env"
+        env         = true
+        change_mode = "noop"
+        splay       = "0s"
+      }
+
+      volume_mount {
+        volume      = "weights"
+        destination = "${meta.llmgw_models_dir}"
+        read_only   = false
+      }
+
+      resources {
+        cpu    = 500
+        memory = 256
       }
     }
   }

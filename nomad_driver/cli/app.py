@@ -214,6 +214,41 @@ def node_agent_command(
     serve(config, listen)
 
 
+@app.command("fetch")
+def fetch_command(
+    source: str = typer.Argument(..., help="The model's source, as its definition says.", show_default=False),
+    model: str = typer.Option(..., "--model", help="The model's name: its directory in the cache."),
+    cache_dir: Path = typer.Option(
+        Path("/opt/llmgw/models"), "--cache", envvar="LLMGW_MODELS_DIR", help="The node's weights cache."
+    ),
+    max_size: str = typer.Option(
+        "", "--max-size", help="Bound of the cache (500G); least recently used models go first."
+    ),
+    min_rate: str = typer.Option("100K", "--min-rate", help="Bytes per second below which it is stalled."),
+    stall_window: str = typer.Option("300", "--stall-window", help="Seconds under --min-rate that fail it."),
+) -> None:
+    """Download a model's weights into this node's cache, or find them there (the fetch task).
+
+    An option the job fills from node meta (`${meta.llmgw_models_max}`, ...) that the node does
+    not set arrives as that literal text, and means the default."""
+    from nomad_driver.fetch.download import StallRule
+    from nomad_driver.fetch.run import FetchRequest, fetch, parse_seconds, parse_size
+
+    default = StallRule()
+    try:
+        bound = parse_size(max_size)
+        rate = parse_size(min_rate)
+        window = parse_seconds(stall_window)
+    except ValueError as exc:
+        typer.echo(f"llmgw fetch: {exc}", err=True)
+        raise typer.Exit(2) from None
+    rule = StallRule(
+        min_rate=float(rate) if rate is not None else default.min_rate,
+        window_s=window if window is not None else default.window_s,
+    )
+    raise typer.Exit(fetch(FetchRequest(source, model, cache_dir, bound, rule)))
+
+
 from nomad_driver.cli.ctl import ctl_app  # noqa: E402  (a sub-app must exist when the CLI is built)
 
 app.add_typer(ctl_app, name="ctl")

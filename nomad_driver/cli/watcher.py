@@ -329,7 +329,48 @@ def ctl_retry(
     )
 
 
+def ctl_prefetch(
+    model: str = typer.Argument(..., help="The model whose weights to fetch ahead.", show_default=False),
+    models: Path = typer.Option(
+        ..., "--models", envvar="LLMGW_MODELS_FILE", help="The models file that defines it."
+    ),
+    nodes: str = typer.Option(
+        "", "--nodes", help="Node names, comma-separated (default: every node it could run on)."
+    ),
+) -> None:
+    """Fetch a model's weights into the caches of its nodes before the first request, with a
+    Nomad sysbatch job (llmgw-prefetch-MODEL) running the model's own fetch task."""
+    from nomad_driver.fetch.prefetch import NotFetched, render_prefetch_job
+    from nomad_driver.nomad import Nomad, NomadError
+    from nomad_driver.spec import SpecError, load_models
+
+    try:
+        defined = load_models(models).models
+    except SpecError as exc:
+        typer.echo(f"llmgw ctl prefetch: {'; '.join(exc.problems)}", err=True)
+        raise typer.Exit(EXIT_BAD_INPUT) from None
+    if model not in defined:
+        typer.echo(f"llmgw ctl prefetch: no model '{model}' in {models}", err=True)
+        raise typer.Exit(EXIT_UNKNOWN_MODEL)
+    chosen = [n.strip() for n in nodes.split(",") if n.strip()]
+    try:
+        job = render_prefetch_job(defined[model], chosen or None)
+        Nomad().register_job(job)
+    except NotFetched as exc:
+        typer.echo(f"llmgw ctl prefetch: {exc}", err=True)
+        raise typer.Exit(EXIT_BAD_INPUT) from None
+    except NomadError as exc:
+        typer.echo(f"llmgw ctl prefetch: {exc}", err=True)
+        raise typer.Exit(EXIT_UNREACHABLE) from None
+    where = ", ".join(chosen) if chosen else "every node it could run on"
+    typer.echo(
+        f"{model}: prefetching on {where} (Nomad job {job['ID']}); "
+        f"'nomad job status {job['ID']}' shows each node's fetch"
+    )
+
+
 def register(app: typer.Typer, ctl_app: typer.Typer) -> None:
     app.command("watcher")(watcher)
     app.command("apply")(apply)
     ctl_app.command("retry")(ctl_retry)
+    ctl_app.command("prefetch")(ctl_prefetch)

@@ -31,6 +31,7 @@ from nomad_driver.node_meta import (
     GPU_COUNT_KEY,
     GPUS_UNHEALTHY_KEY,
     MODELS_CACHED_KEY,
+    MODELS_DIR_KEY,
     NVML_KEY,
     engine_meta_key,
 )
@@ -83,6 +84,9 @@ def build_meta(inventory: Inventory, config: NodeAgentConfig) -> dict[str, str]:
     for engine, found in versions.items():
         meta[engine_meta_key(engine)] = ",".join(sorted(found))
     meta[MODELS_CACHED_KEY] = ",".join(inventory.models)
+    # Where `llmgw fetch` writes and the engines read (fetch/render.py): the same directory the
+    # operator declares as the `llmgw-weights` host volume.
+    meta[MODELS_DIR_KEY] = str(config.models_dir)
     # A `${meta.llmgw_fabric}` that Nomad could not interpolate arrives as that literal text;
     # publishing it would make every such node look like one fabric named "${meta...}".
     if config.fabric and not config.fabric.startswith("${"):

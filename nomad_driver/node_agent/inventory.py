@@ -160,12 +160,20 @@ class EngineScanner:
 
 
 def cached_models(models_dir: Path) -> list[str]:
-    """Models whose weights are already on local disk (`<models_dir>/<model>/` holding at least
-    one file), so a replica there starts without a download."""
+    """Models whose weights are already on local disk, so a replica there starts without a
+    download: a directory `<models_dir>/<model>/` that `llmgw fetch` completed (its `.complete`
+    record), or, put there by hand, one holding a file that is neither a fetch's unfinished
+    `.part` nor its bookkeeping."""
     if not models_dir.is_dir():
         return []
     present = []
     for entry in sorted(models_dir.iterdir()):
-        if entry.is_dir() and any(os.scandir(entry)):
+        if not entry.is_dir():
+            continue
+        if (entry / ".complete").is_file():
             present.append(entry.name)
+            continue
+        with os.scandir(entry) as files:
+            if any(not f.name.startswith(".") and not f.name.endswith(".part") for f in files):
+                present.append(entry.name)
     return present

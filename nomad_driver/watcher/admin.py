@@ -24,6 +24,7 @@ from nomad_driver import engines
 from nomad_driver.admin_api import TOKEN_ENV
 from nomad_driver.certs import register_cert_collector
 from nomad_driver.consul import ConsulError
+from nomad_driver.fetch.progress import read_progress
 from nomad_driver.node_meta import ENGINE_KEY_PREFIX, FABRIC_KEY, models_cached
 from nomad_driver.placement import job_fabric
 from nomad_driver.redaction import redact
@@ -431,9 +432,13 @@ def create_app(
     @app.get("/v1/admin/models/{model}")
     async def model(model: str) -> Response:
         try:
-            return JSONResponse(model_status(watcher, model))
+            status = model_status(watcher, model)
         except UnknownModel:
             return JSONResponse({"error": f"model '{model}' is not defined"}, status_code=404)
+        # Downloads of its weights under way (llmgw fetch), read from their logs when asked.
+        view = watcher.views.get(model)
+        status["fetch"] = await read_progress(watcher.nomad, view.allocs if view is not None else ())
+        return JSONResponse(status)
 
     @app.post("/v1/admin/models/{model}/retry")
     async def retry(model: str, request: Request) -> Response:

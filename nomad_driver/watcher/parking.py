@@ -27,6 +27,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from nomad_driver import engines
+from nomad_driver.fetch.errors import FAILED_PREFIX as FETCH_FAILED_PREFIX
+from nomad_driver.fetch.render import FETCH_TASK
 from nomad_driver.fields import as_int
 from nomad_driver.redaction import redact
 
@@ -141,6 +143,11 @@ def starts_of(alloc: Mapping[str, Any]) -> list[Start]:
                 current["stopping"] = True
             elif kind == "Terminated" and current is not None:
                 failed = not current["stopping"]
+                if task == FETCH_TASK and (not failed or as_int(ev.get("ExitCode")) == 0):
+                    # The fetch of the weights is a step of a start, not one: only its
+                    # failure counts (and names the fetch's cause, fetch/errors.py).
+                    current = None
+                    continue
                 out.append(
                     Start(
                         alloc_id,
@@ -157,6 +164,8 @@ def starts_of(alloc: Mapping[str, Any]) -> list[Start]:
                 current = None
             elif kind in _FAILED_BEFORE_START and current is None:
                 out.append(Start(alloc_id, str(task), t, version, True, True, event_text(ev), t, created))
+        if current is not None and task == FETCH_TASK:
+            continue  # a fetch under way: the start it belongs to has not begun
         if current is not None:
             if live:
                 out.append(Start(alloc_id, str(task), current["time"], version, False, False, "", 0, created))
@@ -331,6 +340,9 @@ def _event_text(ev: Mapping[str, Any]) -> str:
     return str(ev.get("Message") or kind)
 
 
+# llmgw's fetch of the weights says which of its causes failed it (fetch/errors.py): never an
+# engine crash, and ahead of every engine's patterns.
+_FETCH_FAILED = re.compile("^" + re.escape(FETCH_FAILED_PREFIX))
 # From most to least telling, after llmgw's own GPU check and each engine's own words
 # (`engines.startup_error_patterns`): an engine's stderr ends in a traceback whose last line is
 # often generic ("Failed to load model from file"); the loader's own line a few lines up says why.
@@ -349,7 +361,7 @@ def telling_line(stderr_tail: str) -> str:
     before it is cut short, so that no copy of the last error (KV, the Consul UI's check, the
     scaling event in Nomad) holds a credential the engine quoted, nor the start of one."""
     lines = [ln.strip() for ln in stderr_tail.splitlines() if ln.strip()]
-    for pattern in [*engines.startup_error_patterns(), *_ANY_ENGINE]:
+    for pattern in [_FETCH_FAILED, *engines.startup_error_patterns(), *_ANY_ENGINE]:
         # The last matching line: the most recent attempt's words, not an earlier warning's.
         for line in reversed(lines):
             if pattern.search(line):

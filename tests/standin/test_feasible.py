@@ -383,3 +383,27 @@ def test_distinct_property_limits_allocations_per_value() -> None:
         "distinct_property: ${meta.rack}=r1 used by 1 allocs": 2,
         "distinct_property: ${meta.rack}=r2 used by 1 allocs": 2,
     }
+
+
+def test_a_host_volume_the_node_does_not_declare_filters_it_on_every_node_of_its_class() -> None:
+    """HostVolumeChecker: the weights cache must be declared on the node; twins of one class
+    that differ only in it are each checked, never skipped as class-ineligible."""
+    cache = {"llmgw-weights": {"path": "/opt/llmgw/models"}}
+    without = [
+        node(name="bare-0", node_class="l4"),
+        node(name="bare-1", node_class="l4"),
+        node(
+            name="read-only",
+            node_class="l4",
+            host_volumes={"llmgw-weights": {"path": "/x", "read_only": True}},
+        ),
+    ]
+    job, group = make_job()
+    group["Volumes"] = {
+        "weights": {"Name": "weights", "Type": "host", "Source": "llmgw-weights", "ReadOnly": False}
+    }
+    result = place_group(job, group, without, [], 1)
+    assert result.failed == 1
+    assert result.metrics["ConstraintFiltered"] == {"missing compatible host volumes": 3}
+    with_cache = node(name="with-cache", node_class="l4", host_volumes=cache)
+    assert place_group(job, group, [*without, with_cache], [], 1).failed == 0
