@@ -60,11 +60,13 @@ from typing import Any
 import httpx
 
 from nomad_driver.blocking import Reading
+from nomad_driver.config_kv import definition_keys
+from nomad_driver.config_store import StoreResult, store_keys
 from nomad_driver.consul import Consul, KVEntry
 from nomad_driver.nomad import Nomad
 from nomad_driver.render import render_job
 from nomad_driver.spec import parse_models
-from nomad_driver.state import CONFIG_MODELS_KEY, ModelState, activity_key, state_key
+from nomad_driver.state import ModelState, activity_key, state_key
 from nomad_driver.watcher.loop import Watcher, WatcherConfig
 
 REPO = Path(__file__).resolve().parents[1]
@@ -131,7 +133,7 @@ def quick(args: argparse.Namespace) -> int:
     text = models_text(int(args.models))
     models = parse_models(text, "bench").models
     w = Watcher(Consul("http://127.0.0.1:1"), Nomad("http://127.0.0.1:1"), WatcherConfig())
-    kv: dict[str, KVEntry] = {CONFIG_MODELS_KEY: KVEntry(CONFIG_MODELS_KEY, text.encode(), 1)}
+    kv: dict[str, KVEntry] = {k: KVEntry(k, v, 1) for k, v in definition_keys(text).items()}
     jobs: dict[str, dict[str, Any]] = {}
     allocs: list[dict[str, Any]] = []
     evals: list[dict[str, Any]] = []
@@ -208,8 +210,12 @@ def mock_job(model: Any, config: dict[str, Any], *, keep_checks: bool = False) -
     return job
 
 
-def kv_put(consul: str, key: str, value: bytes) -> None:
-    httpx.put(f"{consul}/v1/kv/{key}", content=value, timeout=10).raise_for_status()
+async def store_at(consul_url: str, keys: dict[str, bytes]) -> StoreResult:
+    consul = Consul(consul_url)
+    try:
+        return await store_keys(consul, keys)
+    finally:
+        await consul.close()
 
 
 def healthz(admin: str) -> dict[str, Any]:
@@ -385,8 +391,14 @@ def measure(args: argparse.Namespace, n_models: int) -> dict[str, Any]:
                 for model in failing:
                     job = mock_job(model, {"run_for": "100h"}, keep_checks=True)
                     http.put("/v1/jobs", json={"Job": job}).raise_for_status()
-            kv_put(consul.url, CONFIG_MODELS_KEY, text.encode())
             print(f"registered {len(models)} mock_driver jobs in {time.monotonic() - started:.1f} s")
+            # As `llmgw apply` stores them: one key per model (the single key stops at 512 KiB).
+            stored_at = time.monotonic()
+            stored = asyncio.run(store_at(consul.url, definition_keys(text, checked=True)))
+            print(
+                f"stored {len(everything)} definitions in {time.monotonic() - stored_at:.2f} s "
+                f"({stored.transactions} transactions)"
+            )
 
             def engines_passing() -> int:
                 resp = httpx.get(

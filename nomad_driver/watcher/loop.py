@@ -378,7 +378,7 @@ class Watcher:
         if not self.ready_to_act():
             return False
         definitions = self.memory.definitions
-        if definitions.missing and definitions.text:
+        if definitions.missing and definitions.raw:
             await definitions.restore(self.consul)
             if definitions.missing:
                 return False
