@@ -215,9 +215,18 @@ CALLS: dict[Component, tuple[Call, ...]] = {
             _ns("submit-job"),
         ),
         _nomad("GET", "/v1/allocations", "watch replicas and start failures", _ns("read-job")),
-        # The Job and Allocation topics need read-job in the namespace (Nomad's events API docs).
-        _nomad("GET", "/v1/event/stream", "follow job and allocation changes", _ns("read-job")),
-        _nomad("GET", "/v1/evaluations", "watch placement results", _ns("read-job")),
+        # The Job, Allocation and Evaluation topics need read-job in the namespace (Nomad's events
+        # API docs).
+        _nomad("GET", "/v1/event/stream", "follow job, allocation and evaluation changes", _ns("read-job")),
+        _nomad(
+            "GET", "/v1/evaluations", "placement results, listed at start and each resync", _ns("read-job")
+        ),
+        _nomad(
+            "GET",
+            "/v1/job/<job>/evaluations",
+            "one job's evaluations, for a model whose decision reads them",
+            _ns("read-job"),
+        ),
         _nomad(
             "GET",
             "/v1/evaluation/<eval>",
