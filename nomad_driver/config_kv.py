@@ -213,7 +213,9 @@ class StoredDefinitions:
                 log.warning("event=definitions_missing prefix=%s keeping=%d", CONFIG_PREFIX, len(self.models))
             self.missing = True
             return False
-        self.missing = False
+        # Nothing stored and nothing held: as before anything was read (a router then falls back
+        # to its models file).
+        self.missing, self.layout, self.problems = False, "", []
         return False
 
     def _read_legacy(self, entry: KVEntry) -> bool:
