@@ -7,7 +7,8 @@
 The default mode measures the real thing: a Consul dev agent (devstack.consul_agent), the Nomad
 stand-in on devstack/nodes/large-200.yaml, and a real `llmgw watcher` process. `--models` jobs
 are registered as `llmgw apply` would (rendered by `render_job`, so their ID and
-`llmgw_def_hash` match the definitions stored in `llmgw/config/models`), except that the
+`llmgw_def_hash` match the definitions stored, as apply stores them, one key per model under
+`llmgw/config/`, with the time that takes printed), except that the
 engine task is a `mock_driver` task that runs for hours and the service has no check (so every
 replica is a passing instance at once and nothing probes 1,000 ports). The watcher reaches
 Nomad and Consul through a small counting reverse proxy in this process, which is how its API
@@ -28,7 +29,11 @@ calls are counted (the stand-in keeps no access log). Then:
 - churned: someone else's job whose task exits and is restarted in place about every second is
   run for `--churn-seconds`: the bytes the watcher reads from Nomad and its CPU, per minute and
   per change it read (the frames of allocation events its event stream was sent; for a watcher
-  that lists instead, its long poll on the allocations answering), beside the idle minute's.
+  that lists instead, its long poll on the allocations answering), beside the idle minute's;
+- evaluations: someone else's job is scaled between 1 and 2 every second for `--eval-seconds`
+  (30), one evaluation each: the evaluation changes the watcher read (event frames, or its long
+  poll on `/v1/evaluations` answering), how often it listed the namespace's evaluations and read
+  one job's, and its Nomad bytes and CPU per evaluation change.
 
 `--models 100,1000` measures each fleet in turn, on its own Consul and stand-in, and prints them
 side by side with the ratio of the largest to the smallest: the cost of one change should not
@@ -60,11 +65,13 @@ from typing import Any
 import httpx
 
 from nomad_driver.blocking import Reading
+from nomad_driver.config_kv import definition_keys
+from nomad_driver.config_store import StoreResult, store_keys
 from nomad_driver.consul import Consul, KVEntry
 from nomad_driver.nomad import Nomad
 from nomad_driver.render import render_job
 from nomad_driver.spec import parse_models
-from nomad_driver.state import CONFIG_MODELS_KEY, ModelState, activity_key, state_key
+from nomad_driver.state import ModelState, activity_key, state_key
 from nomad_driver.watcher.loop import Watcher, WatcherConfig
 
 REPO = Path(__file__).resolve().parents[1]
@@ -131,7 +138,7 @@ def quick(args: argparse.Namespace) -> int:
     text = models_text(int(args.models))
     models = parse_models(text, "bench").models
     w = Watcher(Consul("http://127.0.0.1:1"), Nomad("http://127.0.0.1:1"), WatcherConfig())
-    kv: dict[str, KVEntry] = {CONFIG_MODELS_KEY: KVEntry(CONFIG_MODELS_KEY, text.encode(), 1)}
+    kv: dict[str, KVEntry] = {k: KVEntry(k, v, 1) for k, v in definition_keys(text).items()}
     jobs: dict[str, dict[str, Any]] = {}
     allocs: list[dict[str, Any]] = []
     evals: list[dict[str, Any]] = []
@@ -208,8 +215,12 @@ def mock_job(model: Any, config: dict[str, Any], *, keep_checks: bool = False) -
     return job
 
 
-def kv_put(consul: str, key: str, value: bytes) -> None:
-    httpx.put(f"{consul}/v1/kv/{key}", content=value, timeout=10).raise_for_status()
+async def store_at(consul_url: str, keys: dict[str, bytes]) -> StoreResult:
+    consul = Consul(consul_url)
+    try:
+        return await store_keys(consul, keys)
+    finally:
+        await consul.close()
 
 
 def healthz(admin: str) -> dict[str, Any]:
@@ -324,6 +335,30 @@ def describe_calls(calls: Counter[tuple[str, str, str, bool]]) -> list[str]:
 CHURN_JOB = "bench-churn"
 
 
+SCALED_JOB = "bench-scaled"
+
+
+def scaled_job() -> dict[str, Any]:
+    """Someone else's job, scaled between 1 and 2 every second in the evaluations window: each
+    scale is an evaluation, which a watcher that lists the namespace's evaluations pays for."""
+    job = churn_job()
+    group = job["TaskGroups"][0]
+    group["Tasks"][0]["Config"] = {"run_for": "100h"}
+    group["Update"] = {"MaxParallel": 0}  # no deployment: Nomad refuses a scale during one
+    return {**job, "ID": SCALED_JOB, "Name": SCALED_JOB}
+
+
+def scale_every_second(nomad: str, stop: threading.Event) -> None:
+    count = 1
+    with httpx.Client(base_url=nomad, timeout=30) as http:
+        while not stop.wait(1.0):
+            count = 3 - count
+            http.post(
+                f"/v1/job/{SCALED_JOB}/scale",
+                json={"Count": count, "Target": {"Group": "work"}, "Message": "bench"},
+            ).raise_for_status()
+
+
 def churn_job() -> dict[str, Any]:
     """Someone else's job whose one task exits and is restarted in place about every second:
     one allocation change a second, which every reader of the cluster's allocations pays for."""
@@ -385,8 +420,14 @@ def measure(args: argparse.Namespace, n_models: int) -> dict[str, Any]:
                 for model in failing:
                     job = mock_job(model, {"run_for": "100h"}, keep_checks=True)
                     http.put("/v1/jobs", json={"Job": job}).raise_for_status()
-            kv_put(consul.url, CONFIG_MODELS_KEY, text.encode())
             print(f"registered {len(models)} mock_driver jobs in {time.monotonic() - started:.1f} s")
+            # As `llmgw apply` stores them: one key per model (the single key stops at 512 KiB).
+            stored_at = time.monotonic()
+            stored = asyncio.run(store_at(consul.url, definition_keys(text, checked=True)))
+            print(
+                f"stored {len(everything)} definitions in {time.monotonic() - stored_at:.2f} s "
+                f"({stored.transactions} transactions)"
+            )
 
             def engines_passing() -> int:
                 resp = httpx.get(
@@ -437,6 +478,19 @@ def measure(args: argparse.Namespace, n_models: int) -> dict[str, Any]:
                 changes = (frames1 - frames0)[("nomad", "Allocation")] + calls[
                     ("nomad", "GET", "/v1/allocations", True)
                 ]
+                # Likewise the evaluation changes: frames of evaluation events, or the long poll
+                # on the namespace's evaluations answering.
+                eval_changes = (frames1 - frames0)[("nomad", "Evaluation")] + calls[
+                    ("nomad", "GET", "/v1/evaluations", True)
+                ]
+                eval_lists = sum(
+                    n for (s, _, p, _), n in calls.items() if (s, p) == ("nomad", "/v1/evaluations")
+                )
+                job_reads = sum(
+                    n
+                    for (s, _, p, _), n in calls.items()
+                    if s == "nomad" and p.startswith("/v1/job/") and p.endswith("/evaluations")
+                )
                 return {
                     "seconds": took,
                     "calls": calls,
@@ -452,6 +506,9 @@ def measure(args: argparse.Namespace, n_models: int) -> dict[str, Any]:
                     "nomad_bytes": nomad_bytes(bytes1 - bytes0),
                     "bytes_by_path": bytes1 - bytes0,
                     "changes": changes,
+                    "eval_changes": eval_changes,
+                    "eval_lists": eval_lists,
+                    "eval_job_reads": job_reads,
                 }
 
             idle = window(args.idle_seconds)
@@ -459,6 +516,16 @@ def measure(args: argparse.Namespace, n_models: int) -> dict[str, Any]:
             time.sleep(3)  # its first start, before the window opens
             churned = window(args.churn_seconds)
             httpx.delete(f"{nomad}/v1/job/{CHURN_JOB}", timeout=30).raise_for_status()
+            time.sleep(3)
+            httpx.put(f"{nomad}/v1/jobs", json={"Job": scaled_job()}, timeout=30).raise_for_status()
+            time.sleep(3)
+            flipping = threading.Event()
+            flipper = threading.Thread(target=scale_every_second, args=(nomad, flipping), daemon=True)
+            flipper.start()
+            evaluated = window(args.eval_seconds)
+            flipping.set()
+            flipper.join(10)
+            httpx.delete(f"{nomad}/v1/job/{SCALED_JOB}", timeout=30).raise_for_status()
             time.sleep(3)
 
             parks = [park_trial(consul.url, nomad, admin, model, stop) for model in failing]
@@ -486,6 +553,7 @@ def measure(args: argparse.Namespace, n_models: int) -> dict[str, Any]:
         "models": len(models),
         "idle": idle,
         "churned": churned,
+        "evaluated": evaluated,
         "per_model_paths": per_model,
         "parks": parks,
         "allocs_read": allocs_read,
@@ -543,6 +611,19 @@ def report(results: list[dict[str, Any]]) -> int:
         target="within 2x across sizes")  # fmt: skip
     row("CPU per change, ms", [per_change(w, "cpu") * 1000 for w in churned], ".1f", ratio=True,
         target="within 2x across sizes")  # fmt: skip
+    evaluated = field(("evaluated",))
+    row(
+        "evaluation changes read, evaluations minute",
+        [per_minute(w, "eval_changes") for w in evaluated],
+        ".0f",
+    )
+    row("  namespace evaluation lists in it", [per_minute(w, "eval_lists") for w in evaluated], ".0f")
+    row("  per-job evaluation reads in it", [per_minute(w, "eval_job_reads") for w in evaluated], ".0f")
+    row("  passes run in it", [per_minute(w, "passes") for w in evaluated], ".0f")
+    row("Nomad bytes per evaluation change, kB",
+        [w["nomad_bytes"] / max(1, w["eval_changes"]) / 1e3 for w in evaluated], ".1f", ratio=True)  # fmt: skip
+    row("CPU per evaluation change, ms",
+        [w["cpu"] * 1000 / max(1, w["eval_changes"]) for w in evaluated], ".1f", ratio=True)  # fmt: skip
     row("5th failure -> parked, worst, s", [max(r["parks"]) for r in results], ".2f",
         target=f"< {PARK_BUDGET_S:.0f} at every size")  # fmt: skip
     row("one GET /v1/allocations, ms", [r["allocs_read"][0] * 1000 for r in results], ".0f")
@@ -554,9 +635,9 @@ def report(results: list[dict[str, Any]]) -> int:
         print(f"  [{r['models']} models] bytes per change read, churned window, by endpoint:")
         for (name, path), n in spread[:6]:
             print(f"    {n / max(1, w['changes']) / 1e3:>9.0f} kB  {name:<6} {path}")
-        for name in ("idle", "churned"):
+        for name in ("idle", "churned", "evaluated"):
             causes = ", ".join(f"{c} {n}" for c, n in sorted(r[name]["causes"].items())) or "none"
-            print(f"  [{r['models']} models] passes run, {name} minute, by cause: {causes}")
+            print(f"  [{r['models']} models] passes run, {name} window, by cause: {causes}")
         print(f"  [{r['models']} models] parking trials: " + " ".join(f"{p:.2f}" for p in r["parks"]) + " s")
         print(f"  [{r['models']} models] idle calls by endpoint (per-model paths: {r['per_model_paths']}):")
         print("\n".join(describe_calls(r["idle"]["calls"])))
@@ -606,6 +687,12 @@ def main() -> int:
     ap.add_argument("--idle-seconds", type=float, default=60.0)
     ap.add_argument(
         "--churn-seconds", type=float, default=60.0, help="the window with one allocation change a second"
+    )
+    ap.add_argument(
+        "--eval-seconds",
+        type=float,
+        default=30.0,
+        help="the window in which someone else's job is scaled every second (one evaluation each)",
     )
     ap.add_argument(
         "--park-trials", type=int, default=3, help="failing models to time parking on, one by one"

@@ -241,6 +241,17 @@ class Nomad:
         data = self._json(resp, f"evaluation {eval_id}")
         return next_index(index, resp.headers.get("X-Nomad-Index")), data if isinstance(data, dict) else {}
 
+    def job_evaluations(self, job_id: str) -> list[dict[str, Any]]:
+        """`GET /v1/job/<id>/evaluations`: one job's evaluations, whole (`structs.Evaluation`,
+        as `/v1/evaluations` lists them); none for a job Nomad no longer has."""
+        try:
+            data = self._json(self._request("job", job_id, "evaluations"), f"job {job_id} evaluations")
+        except NomadError as exc:
+            if exc.status == 404:
+                return []
+            raise
+        return [d for d in data if isinstance(d, dict)] if isinstance(data, list) else []
+
     def stderr_tail(self, alloc_id: str, task: str, nbytes: int = 4096) -> str:
         """The last `nbytes` of a task's stderr: where an engine says why it died."""
         return self.log_tail(alloc_id, task, "stderr", nbytes)

@@ -24,9 +24,10 @@ from pathlib import Path
 from typing import Any
 
 from nomad_driver.blocking import Watch, backoff_delay
+from nomad_driver.config_kv import CONFIG_PREFIX, LEGACY_MODELS_KEY, StoredDefinitions, config_entries
 from nomad_driver.consul import Consul, ConsulError, ConsulUnavailable, KVEntry
-from nomad_driver.spec import Model, SpecError, decode_models_text, parse_models, problem_line
-from nomad_driver.state import CONFIG_MODELS_KEY, STATE_PREFIX, MalformedState, ModelState, parse_state
+from nomad_driver.spec import Model, SpecError, parse_models
+from nomad_driver.state import STATE_PREFIX, MalformedState, ModelState, parse_state
 from router.catalog import Fleet, Key, Replica, health_statuses, parse_instances, parse_not_passing
 from router.config import ConsulSettings
 
@@ -137,7 +138,7 @@ class Discovery:
         self.state_watch: Watch[tuple[KVEntry, ...]] = Watch(
             "states", self._fetch_states, on_change=self._apply_states, logger=log
         )
-        self.models_watch: Watch[KVEntry | None] = Watch(
+        self.models_watch: Watch[dict[str, KVEntry]] = Watch(
             "models", self._fetch_models, on_change=self._apply_models, logger=log
         )
         self.watches = {
@@ -151,6 +152,7 @@ class Discovery:
         # Times each watch died and was started again (llmgw_router_watch_restarts_total).
         self.restarts: Counter[str] = Counter()
         self._file_models: tuple[Mapping[str, Model], str, str] | None = None
+        self._stored = StoredDefinitions()
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -288,12 +290,13 @@ class Discovery:
         )
         return new_index, tuple(entries)
 
-    async def _fetch_models(self, index: int) -> tuple[int, KVEntry | None]:
-        # None: the key does not exist (yet); the index is still valid to block on.
+    async def _fetch_models(self, index: int) -> tuple[int, dict[str, KVEntry]]:
+        # All of `llmgw/config/` in one blocking read: the per-model keys, the profiles, the
+        # apply's commit key and the legacy single key (config_kv.py); empty while none exists.
         new_index, entries = await self.consul.kv_get(
-            CONFIG_MODELS_KEY, index=index, wait_s=self.settings.wait_s
+            CONFIG_PREFIX, recurse=True, index=index, wait_s=self.settings.wait_s
         )
-        return new_index, entries[0] if entries else None
+        return new_index, config_entries(entries)
 
     # -- turning answers into the snapshot ----------------------------------------------------
 
@@ -343,33 +346,32 @@ class Discovery:
         self._publish(replace(self.snapshot, states=parse_states(entries)))
 
     def _apply_models(self) -> None:
-        body = self.models_watch.snapshot.data if self.models_watch.snapshot else None
-        if body is None and self.snapshot.models and self.snapshot.models_origin.startswith("consul:"):
-            # The key vanished (a Consul that lost its data): keep routing on what was defined
-            # rather than answer 404 for every model; the leading watcher writes it back.
-            # Removing models is done by applying a file without them, not by deleting the key.
-            error = f"consul:{CONFIG_MODELS_KEY} is missing; keeping the {len(self.snapshot.models)} definitions last read"
+        entries = self.models_watch.snapshot.data if self.models_watch.snapshot else {}
+        stored = self._stored
+        stored.read(entries)
+        if stored.missing and self.snapshot.models_origin.startswith("consul:"):
+            # The keys vanished (a Consul that lost its data): keep routing on what was defined
+            # rather than answer 404 for every model; the leading watcher writes them back.
+            # Removing models is done by applying a file without them, not by deleting keys.
+            error = f"consul:{CONFIG_PREFIX} holds no definitions; keeping the {len(self.snapshot.models)} definitions last read"
             if self.snapshot.models_error != error:
                 log.warning(error)
             self._publish(replace(self.snapshot, models_error=error))
             return
-        if body is None:
+        if not stored.layout and not stored.problems:
             models, origin, error = self._models_from_file()
             self._publish(replace(self.snapshot, models=models, models_origin=origin, models_error=error))
             return
-        origin = f"consul:{CONFIG_MODELS_KEY}"
-        try:
-            text = decode_models_text(body.value, origin) if body.value else ""
-            models = parse_models(text, origin=origin).models
-        except (SpecError, ValueError) as exc:
-            # Keep routing on the definitions that last made sense; a typo in the models file
-            # must not make the router forget every model.
-            detail = str(exc).replace("\n", "; ")
-            log.error("models in %s are not valid, keeping the previous ones: %s", origin, detail)
-            # Worded as the watcher words it (problems about the whole file name it already).
-            self._publish(replace(self.snapshot, models_error=problem_line(origin, detail)))
-            return
-        self._publish(replace(self.snapshot, models=models, models_origin=origin, models_error=""))
+        # A bad key keeps what last made sense (its model's last good definition, or all of
+        # them for a bad profiles key or file); worded as the watcher words it, key first.
+        origin = f"consul:{LEGACY_MODELS_KEY if stored.layout == 'legacy key' else CONFIG_PREFIX}"
+        if stored.problems:
+            log.error("models in %s are not all valid, keeping the previous ones: %s", origin, stored.problem)
+        self._publish(
+            replace(
+                self.snapshot, models=dict(stored.models), models_origin=origin, models_error=stored.problem
+            )
+        )
 
     def _models_from_file(self) -> tuple[Mapping[str, Model], str, str]:
         if not self.models_file:

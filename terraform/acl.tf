@@ -109,8 +109,8 @@ resource "consul_acl_policy" "router" {
       policy = "list"
     }
 
-    key "llmgw/config/models" {
-      policy = "read"
+    key_prefix "llmgw/config/" {
+      policy = "list"
     }
 
     key_prefix "llmgw/activity/" {
@@ -137,7 +137,7 @@ resource "consul_acl_policy" "operator" {
   description = "llmgw apply: stores the model definitions with check-and-set."
 
   rules = <<-EOT
-    key "llmgw/config/models" {
+    key_prefix "llmgw/config/" {
       policy = "write"
     }
   EOT

@@ -125,13 +125,19 @@ CALLS: dict[Component, tuple[Call, ...]] = {
             _key("llmgw/leader", "read"),
             _key("llmgw/state/", "write", prefix=True),
         ),
-        # The leader puts back the definitions it runs on when llmgw/config/models was deleted
-        # (cas=0: only while the key is absent, so an operator's apply always wins).
+        # The leader puts back the definitions it runs on when llmgw/config/ lost them
+        # (claimed create-only, so an operator's apply always wins; nomad_driver/config_store.py).
+        _consul(
+            "GET",
+            "/v1/kv/llmgw/config/?recurse",
+            "what is stored before the definitions are put back",
+            _key("llmgw/config/", "list", prefix=True),
+        ),
         _consul(
             "PUT",
-            "/v1/kv/llmgw/config/models?cas=0",
-            "restore the definitions after the key was deleted",
-            _key("llmgw/config/models", "write"),
+            "/v1/txn",
+            "restore the definitions' keys: claim, keys, commit",
+            _key("llmgw/config/", "write", prefix=True),
         ),
         # The leader deletes the in-flight keys of routers gone for an hour (watcher/loop.py).
         _consul(
@@ -209,9 +215,18 @@ CALLS: dict[Component, tuple[Call, ...]] = {
             _ns("submit-job"),
         ),
         _nomad("GET", "/v1/allocations", "watch replicas and start failures", _ns("read-job")),
-        # The Job and Allocation topics need read-job in the namespace (Nomad's events API docs).
-        _nomad("GET", "/v1/event/stream", "follow job and allocation changes", _ns("read-job")),
-        _nomad("GET", "/v1/evaluations", "watch placement results", _ns("read-job")),
+        # The Job, Allocation and Evaluation topics need read-job in the namespace (Nomad's events
+        # API docs).
+        _nomad("GET", "/v1/event/stream", "follow job, allocation and evaluation changes", _ns("read-job")),
+        _nomad(
+            "GET", "/v1/evaluations", "placement results, listed at start and each resync", _ns("read-job")
+        ),
+        _nomad(
+            "GET",
+            "/v1/job/<job>/evaluations",
+            "one job's evaluations, for a model whose decision reads them",
+            _ns("read-job"),
+        ),
         _nomad(
             "GET",
             "/v1/evaluation/<eval>",
@@ -263,7 +278,10 @@ CALLS: dict[Component, tuple[Call, ...]] = {
             _key("llmgw/state/", "list", prefix=True),
         ),
         _consul(
-            "GET", "/v1/kv/llmgw/config/models", "the model definitions", _key("llmgw/config/models", "read")
+            "GET",
+            "/v1/kv/llmgw/config/?recurse",
+            "the model definitions: one key per model, or the single key before",
+            _key("llmgw/config/", "list", prefix=True),
         ),
         _consul(
             "PUT",
@@ -291,15 +309,15 @@ CALLS: dict[Component, tuple[Call, ...]] = {
         # read (to keep its count and skip an unchanged one) before it is registered.
         _consul(
             "GET",
-            "/v1/kv/llmgw/config/models",
-            "the stored definitions and their index",
-            _key("llmgw/config/models", "read"),
+            "/v1/kv/llmgw/config/?recurse",
+            "the stored definitions' keys and the commit key's index",
+            _key("llmgw/config/", "list", prefix=True),
         ),
         _consul(
             "PUT",
-            "/v1/kv/llmgw/config/models?cas=<index>",
-            "store the definitions",
-            _key("llmgw/config/models", "write"),
+            "/v1/txn",
+            "store the definitions: claim, keys 63 at a time, commit (deleting the single key)",
+            _key("llmgw/config/", "write", prefix=True),
         ),
         _nomad("GET", "/v1/job/<job>", "is the running job current; its replica count", _ns("read-job")),
         _nomad("POST", "/v1/job/<job>", "register a new or changed model job", _ns("submit-job")),

@@ -47,6 +47,7 @@ ROUTER_MAY_IMPORT = frozenset(
         "nomad_driver.spec",  # definitions
         "nomad_driver.redaction",  # the one masking of credentials in what it shows
         "nomad_driver.state",  # the KV contract
+        "nomad_driver.config_kv",  # where the definitions live in KV, read as every reader reads them
         "nomad_driver.consul",  # the one Consul client
         "nomad_driver.blocking",  # the one blocking-query loop
         "nomad_driver.placement",  # the one wording of "fits nowhere"

@@ -24,9 +24,9 @@ from typer.testing import CliRunner, Result
 from devstack.demo_models import TEMPLATE, effective_models_text
 from devstack.fleet import GPU_POOL, effective_nodes
 from nomad_driver.cli.app import app
+from nomad_driver.config_kv import CONFIG_PREFIX
 from nomad_driver.consul import Consul
 from nomad_driver.nomad import Nomad
-from nomad_driver.state import CONFIG_MODELS_KEY
 from tests.fixtures.nomad import REPO, SMALL_FLEET, StandIn
 from tests.standin.api_helpers import mock_job
 from tests.watcher_support import read_state, until
@@ -306,7 +306,7 @@ def test_apply_in_a_terminal_asks_and_applies_only_on_yes(
     code, out = in_terminal("apply", str(demo), answer="n")
     assert code == 5, out
     assert "phi-4 fits nowhere. Apply anyway? [y/N]" in out and "nothing applied" in out
-    assert requests.get(f"{consul_url}/v1/kv/{CONFIG_MODELS_KEY}", timeout=5).status_code == 404
+    assert requests.get(f"{consul_url}/v1/kv/{CONFIG_PREFIX}?recurse=true", timeout=5).status_code == 404
     assert Nomad(cluster.url).get_job("llmgw-phi-4") is None
     # Someone read the plan and said yes: the unplaceable model is their call.
     code, out = in_terminal("apply", str(demo), answer="y")
@@ -346,7 +346,7 @@ def test_a_job_that_is_not_llmgws_is_a_conflict_that_plan_reports_and_apply_refu
     code, out = in_terminal("apply", str(demo), answer="y")
     assert code == 5 and "[y/N]" not in out and f"{problem}; nothing was applied" in out, out
     assert nomad_indexes(cluster.url) == before
-    assert requests.get(f"{consul_url}/v1/kv/{CONFIG_MODELS_KEY}", timeout=5).status_code == 404
+    assert requests.get(f"{consul_url}/v1/kv/{CONFIG_PREFIX}?recurse=true", timeout=5).status_code == 404
 
 
 def test_apply_in_a_terminal_with_nothing_to_do_asks_nothing(cluster: StandIn, demo: Path) -> None:

@@ -441,7 +441,8 @@ def consul_request(url: str, token: str, method: str, path: str, **kw: Any) -> A
         return c.request(method, path, **kw)
 
 
-SEEDED_KEY = "llmgw/state/m0"
+# One key under each prefix a component reads recursively.
+SEEDED_KEYS = ("llmgw/state/m0", "llmgw/config/model/m0")
 
 
 def new_session(url: str, token: str) -> str:
@@ -501,13 +502,15 @@ def perform(url: str, token: str, master: str, call: acl.Call) -> Any:
 
 def refusal(resp: Any, call: acl.Call) -> str | None:
     """Why `resp` shows Consul refused `call`, or None. Recursive reads are filtered rather than
-    refused, so they must return the key seeded under llmgw/state/."""
+    refused, so they must return the keys seeded under the prefix read."""
     if resp.status_code == 403 or resp.status_code >= 500:
         return f"HTTP {resp.status_code} {resp.text.strip()[:120]}"
     if call.method == "GET" and "recurse" in call.path:
         keys = [e["Key"] for e in resp.json()] if resp.status_code == 200 else []
-        if SEEDED_KEY not in keys:
-            return f"HTTP {resp.status_code}, {SEEDED_KEY} filtered out of the answer"
+        prefix = call.path.removeprefix("/v1/kv/").split("?")[0]
+        for seeded in SEEDED_KEYS:
+            if seeded.startswith(prefix) and seeded not in keys:
+                return f"HTTP {resp.status_code}, {seeded} filtered out of the answer"
     return None
 
 
@@ -517,8 +520,9 @@ def test_consul_with_acls_enforced_allows_every_call_in_the_table(
 ) -> None:
     url, master = acl_consul
     token = consul_token_for(url, master, component)
-    seeded = consul_request(url, master, "PUT", f"/v1/kv/{SEEDED_KEY}", content=b"{}")
-    assert seeded.status_code == 200, seeded.text
+    for key in SEEDED_KEYS:
+        seeded = consul_request(url, master, "PUT", f"/v1/kv/{key}", content=b"{}")
+        assert seeded.status_code == 200, seeded.text
     denied = []
     for call in acl.CALLS[cast(acl.Component, component)]:
         if call.system != "consul":
@@ -545,6 +549,13 @@ def test_consul_with_acls_enforced_allows_every_call_in_the_table(
     )
 
 
+OPERATOR_MODELS = """profiles:
+  p: {engine: llama.cpp, engine_version: b1, gpus: 1}
+models:
+  a: {source: "file:///m/a.gguf", profile: p, replicas: {min: 0, max: 1}}
+"""
+
+
 async def test_apply_stores_definitions_under_the_operator_policy_and_nothing_else(
     acl_consul: tuple[str, str],
 ) -> None:
@@ -557,9 +568,12 @@ async def test_apply_stores_definitions_under_the_operator_policy_and_nothing_el
     token = consul_token_for(url, master, "operator")
     consul = Consul(url, token=token)
     try:
-        assert await store_definitions(consul, "models: {}\n")
-        assert not await store_definitions(consul, "models: {}\n")  # read back, unchanged
-        assert await store_definitions(consul, "models: {a: 1}\n")
+        assert await store_definitions(consul, OPERATOR_MODELS)
+        assert not await store_definitions(consul, OPERATOR_MODELS)  # read back, unchanged
+        assert await store_definitions(consul, OPERATOR_MODELS.replace("max: 1", "max: 2"))
+        # The upgrade: apply deletes the single key of the layout before, under the same policy.
+        await consul.kv_put("llmgw/config/models", OPERATOR_MODELS)
+        assert await store_definitions(consul, OPERATOR_MODELS)
     finally:
         await consul.close()
     refused = consul_request(url, token, "PUT", f"/v1/kv/{state_key('m')}", content=ModelState().to_kv())
@@ -725,7 +739,7 @@ def test_the_trace_follows_apply_through_its_helpers_and_can_fail(code: scan.Cod
     calls = verb_calls(code)
     apply = {(c.method, c.path) for c in calls["apply"]}
     # Through cli/apply.py's helpers and the Nomad and Consul clients' methods.
-    assert {("GET", "/v1/job/<x>"), ("POST", "/v1/job/<x>"), ("PUT", "/v1/kv/llmgw/config/models")} <= apply
+    assert {("GET", "/v1/job/<x>"), ("POST", "/v1/job/<x>"), ("PUT", "/v1/txn")} <= apply
     # `plan` touches nothing: no register, no write.
     plan = {(c.method, c.path) for c in calls["plan"]}
     assert ("GET", "/v1/job/<x>") in plan and ("POST", "/v1/job/<x>/plan") in plan

@@ -17,6 +17,7 @@ from devstack.fleet import effective_nodes
 from devstack.ports import free_port
 from nomad_driver.cli.app import app
 from nomad_driver.cli.apply import apply_file, store_definitions
+from nomad_driver.config_kv import CONFIG_PREFIX
 from nomad_driver.consul import Consul
 from nomad_driver.nomad import Nomad
 from nomad_driver.state import CONFIG_MODELS_KEY, ModelState, state_key
@@ -117,12 +118,12 @@ async def test_apply_writes_the_definitions_only_when_they_changed(consul_url: s
     consul = Consul(consul_url)
     try:
         assert await store_definitions(consul, TEXT)
-        _, entries = await consul.kv_get(CONFIG_MODELS_KEY)
-        first = entries[0].modify_index
-        assert not await store_definitions(consul, TEXT)
-        _, entries = await consul.kv_get(CONFIG_MODELS_KEY)
-        assert entries[0].modify_index == first
-        assert await store_definitions(consul, TEXT + "# changed\n")
+        _, entries = await consul.kv_get(CONFIG_PREFIX, recurse=True)
+        first = {e.key: e.modify_index for e in entries}
+        assert not await store_definitions(consul, TEXT + "# a comment changes no key\n")
+        _, entries = await consul.kv_get(CONFIG_PREFIX, recurse=True)
+        assert {e.key: e.modify_index for e in entries} == first
+        assert await store_definitions(consul, TEXT.replace("max: 2", "max: 3"))
     finally:
         await consul.close()
 

@@ -14,7 +14,7 @@ import pytest
 
 from nomad_driver.nomad import Nomad, NomadError
 from nomad_driver.watcher.feeds import AllocationFeed, JobFeed
-from nomad_driver.watcher.watch import JobCache, jobs_fetch, kept_allocation, nomad_list_fetch
+from nomad_driver.watcher.watch import JobCache, jobs_fetch, kept_allocation
 from tests.fixtures.nomad import StandIn
 from tests.standin.api_helpers import NO_DEPLOYMENTS, mock_job, scale
 
@@ -152,27 +152,6 @@ async def test_after_the_resync_interval_the_feed_lists_again(nomad_standin: Sta
     finally:
         feed.close()
         await asyncio.sleep(0)
-
-
-async def test_another_jobs_evaluation_keeps_the_evaluations_index_and_an_llmgw_one_moves_it(
-    nomad_standin: StandIn, nomad: Nomad
-) -> None:
-    """Every job's evaluations move the collection's index; only llmgw's wake a pass."""
-    client = nomad_standin.client()
-    fetch = nomad_list_fetch(nomad, "evaluations", WAIT_S)
-    index, evals = await fetch(0)
-    assert evals == ()
-    client.jobs.register_job(mock_job("tenant", **NO_DEPLOYMENTS))
-    # The read returns (Nomad's index moved) with llmgw's part the same: the same index.
-    started = time.monotonic()
-    again, evals = await fetch(index)
-    assert again == index and evals == ()
-    assert time.monotonic() - started < WAIT_S, "answered by the wait running out, not the change"
-
-    client.jobs.register_job(mock_job("llmgw-evals", **NO_DEPLOYMENTS))
-    moved, evals = await until(fetch, again, lambda e: any(x["JobID"] == "llmgw-evals" for x in e))
-    assert moved > index
-    assert {e["JobID"] for e in evals} == {"llmgw-evals"}
 
 
 async def test_a_resync_that_finds_what_is_held_keeps_the_index_the_reader_has(

@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from nomad_driver.consul import Consul
+from nomad_driver.config_kv import CONFIG_PREFIX, StoredDefinitions, config_entries
+from nomad_driver.consul import Consul, KVEntry
 from nomad_driver.nomad import Nomad
 from nomad_driver.spec import parse_models
 from nomad_driver.state import CONFIG_MODELS_KEY, ModelState, state_key
@@ -65,13 +66,16 @@ async def test_malformed_state_is_replaced_and_a_restarted_consul_is_rebuilt(
 
         await until(entries, 30, "both UI entries back", every=0.2)
 
-        # The definitions themselves are written back, so routers do not forget every model.
-        async def definitions() -> bytes | None:
-            _, entries = await consul.kv_get(CONFIG_MODELS_KEY)
-            return entries[0].value if entries else None
+        # The definitions themselves are written back, so routers do not forget every model: as
+        # one key per model, whatever layout they were read from.
+        async def definitions() -> dict[str, KVEntry] | None:
+            _, entries = await consul.kv_get(CONFIG_PREFIX, recurse=True)
+            return config_entries(entries) or None
 
-        restored = await until(definitions, 30, "definitions written back", every=0.2)
-        assert restored.decode() == CRASH_AND_IDLE_MODELS
+        restored = StoredDefinitions()
+        restored.read(await until(definitions, 30, "definitions written back", every=0.2))
+        assert restored.layout == "model keys"
+        assert restored.models == parse_models(CRASH_AND_IDLE_MODELS).models
         assert all(not t.done() for t in watcher._tasks)
     finally:
         await watcher.stop()

@@ -1,3 +1,3 @@
-key "llmgw/config/models" {
+key_prefix "llmgw/config/" {
   policy = "write"
 }

@@ -2,8 +2,8 @@ key_prefix "llmgw/state/" {
   policy = "list"
 }
 
-key "llmgw/config/models" {
-  policy = "read"
+key_prefix "llmgw/config/" {
+  policy = "list"
 }
 
 key_prefix "llmgw/activity/" {

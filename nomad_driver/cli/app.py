@@ -135,7 +135,7 @@ def router_command(
         None,
         "--models",
         envvar="LLMGW_MODELS_FILE",
-        help="Definitions to use while llmgw/config/models is not in Consul.",
+        help="Definitions to use while Consul holds none under llmgw/config/.",
     ),
     max_body_mib: float = typer.Option(8.0, "--max-body-mib", help="Largest request body accepted."),
     first_byte_timeout: float = typer.Option(

@@ -1,9 +1,10 @@
 """`llmgw apply MODELS.yaml`: validate, store the definitions in Consul, register the jobs.
 
-The file text goes to `llmgw/config/models` with check-and-set, so two operators applying at
-once cannot silently undo each other: the second is told the definitions moved under it. The
-watchers read that key (blocking) and take it from there; the jobs are also registered here so
-that a cluster with no watcher running still gets them.
+The definitions go to one key per model under `llmgw/config/` (`config_kv.py`), in
+transactions claimed and committed with check-and-set (`config_store.py`), so two operators
+applying at once cannot silently undo each other: the second is told the definitions moved
+under it. The watchers read that prefix (blocking) and take it from there; the jobs are also
+registered here so that a cluster with no watcher running still gets them.
 
 A Nomad job that llmgw did not render for a model (its meta `llmgw_model` missing or naming
 another model) is never registered over: apply refuses before it stores or registers anything,
@@ -19,10 +20,11 @@ from pathlib import Path
 from typing import Any
 
 from nomad_driver.cli.plan import Fleet, job_to_register
+from nomad_driver.config_kv import definition_keys
+from nomad_driver.config_store import StoreConflict, store_keys
 from nomad_driver.consul import Consul
 from nomad_driver.nomad import Nomad
 from nomad_driver.spec import ModelSet, parse_models, read_models_text
-from nomad_driver.state import CONFIG_MODELS_KEY
 from nomad_driver.watcher.job_facts import job_conflict, job_is_current
 from nomad_driver.watcher.rollout import job_ids, rolls_out, running_job
 
@@ -47,17 +49,17 @@ class ApplyResult:
     rolled_out: list[str] = field(default_factory=list)
 
 
-async def store_definitions(consul: Consul, text: str) -> bool:
-    """Write the text with cas; False when it was already there unchanged."""
-    _, entries = await consul.kv_get(CONFIG_MODELS_KEY)
-    index = entries[0].modify_index if entries else 0
-    if entries and entries[0].value == text.encode():
-        return False
-    if not await consul.kv_put(CONFIG_MODELS_KEY, text.encode(), cas=index):
-        raise ApplyConflict(
-            f"{CONFIG_MODELS_KEY} was changed by someone else while applying; run 'llmgw apply' again"
-        )
-    return True
+async def store_definitions(
+    consul: Consul, text: str, origin: str = "<string>", *, checked: bool = False
+) -> bool:
+    """Write the file's keys; False when they were all there unchanged. An old single
+    `llmgw/config/models` key is deleted as the new keys are committed. `checked`: the text
+    already passed `parse_models`."""
+    try:
+        result = await store_keys(consul, definition_keys(text, origin, checked=checked))
+    except StoreConflict as exc:
+        raise ApplyConflict(str(exc)) from None
+    return result.changed
 
 
 def current_jobs(nomad: Nomad, models: ModelSet) -> dict[str, Mapping[str, Any] | None]:
@@ -119,7 +121,7 @@ def apply_file(
     async def store() -> None:
         client = consul or Consul()
         try:
-            await store_definitions(client, text)
+            await store_definitions(client, text, str(path), checked=True)
         finally:
             if consul is None:
                 await client.close()

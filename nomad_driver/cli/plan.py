@@ -6,7 +6,7 @@ nowhere); this module asks it for every model that would change, at the replicas
 run once applied, and reads the answer the way the watcher reads a failed evaluation, with the
 same one-line summary (`placement.summarize_placement`), so an operator sees the same words
 before an apply as after it. What changed is read against both places a definition lives: the
-stored definitions (`llmgw/config/models`, what watchers and routers use) and the jobs in Nomad
+stored definitions (`llmgw/config/`, what watchers and routers use) and the jobs in Nomad
 (their `llmgw_def_hash`, what runs).
 """
 
@@ -24,12 +24,12 @@ from nomad_driver.cli.plan_reading import (
     namespace_default_pool,
     read_plan,
 )
-from nomad_driver.consul import Consul
+from nomad_driver.config_kv import CONFIG_PREFIX, StoredDefinitions, config_entries
+from nomad_driver.consul import Consul, KVEntry
 from nomad_driver.nomad import JOB_PREFIX, Nomad, NomadError
 from nomad_driver.placement import fabric_rooms, no_fabric_reason
 from nomad_driver.render import render_job
-from nomad_driver.spec import Model, ModelSet, SpecError, parse_models
-from nomad_driver.state import CONFIG_MODELS_KEY
+from nomad_driver.spec import Model, ModelSet, parse_models
 from nomad_driver.watcher.job_facts import (
     job_conflict,
     job_def_hash,
@@ -130,33 +130,25 @@ class FleetPlan:
 # ----- reading what is there ----------------------------------------------------------------
 
 
-async def _stored_text(consul: Consul) -> str | None:
-    _, entries = await consul.kv_get(CONFIG_MODELS_KEY)
-    return entries[0].value.decode("utf-8", errors="replace") if entries and entries[0].value else None
+def stored_definitions(consul: Consul | None = None) -> tuple[dict[str, Model] | None, str]:
+    """The definitions in Consul (`config_kv.py`: one key per model, or the legacy single key),
+    and a note naming the keys that cannot be read (then those models are compared with their
+    job alone). Raises ConsulError when Consul is down."""
 
-
-def stored_definitions(consul: Consul | None = None) -> tuple[ModelSet | None, str]:
-    """The definitions in Consul, and a note when they cannot be read as a models file (then
-    every model is compared with its job alone). Raises ConsulError when Consul is down."""
-
-    async def read() -> str | None:
+    async def read() -> list[KVEntry]:
         client = consul or Consul()
         try:
-            return await _stored_text(client)
+            return (await client.kv_get(CONFIG_PREFIX, recurse=True))[1]
         finally:
             if consul is None:
                 await client.close()
 
-    text = asyncio.run(read())
-    if text is None:
+    stored = StoredDefinitions()
+    stored.read(config_entries(asyncio.run(read())))
+    if not stored.layout and not stored.problems:
         return None, ""
-    try:
-        return parse_models(text, CONFIG_MODELS_KEY), ""
-    except SpecError as exc:
-        return (
-            None,
-            f"{CONFIG_MODELS_KEY} is not a valid models file ({exc.problems[0]}); compared with the jobs only",
-        )
+    note = f"{stored.problems[0]}; compared with the jobs only" if stored.problems else ""
+    return (stored.models if stored.layout else None), note
 
 
 class Fleet:
@@ -372,7 +364,7 @@ def plan_models(models: ModelSet, *, consul: Consul | None = None, nomad: Nomad 
             second: nomad.get_job(second),
         }
         job_id, job = running_job(model, both)
-        mp = classify(model, stored.models.get(name) if stored else None, job)
+        mp = classify(model, stored.get(name) if stored else None, job)
         mp.job_id = job_id
         if mp.change == "conflict":
             problems.extend(mp.notes)
@@ -398,9 +390,9 @@ def plan_models(models: ModelSet, *, consul: Consul | None = None, nomad: Nomad 
         model_name = str(meta.get("llmgw_model", "")) if meta else ""
         if model_name and model_name not in defined and not stub.get("Stop"):
             removed[model_name] = str(stub.get("ID", ""))
-    for model_name in stored.models if stored else {}:
+    for model_name, stored_model in (stored or {}).items():
         if model_name not in defined:
-            removed.setdefault(model_name, stored.models[model_name].job_id if stored else "")
+            removed.setdefault(model_name, stored_model.job_id)
     for model_name, job_id in sorted(removed.items()):
         mp = ModelPlan(model_name, job_id, "removed")
         mp.notes.append(f"apply does not stop its job; run `nomad job stop {job_id}` to stop its replicas")

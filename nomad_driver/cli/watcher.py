@@ -220,8 +220,8 @@ def apply(
         help="Apply even when a model fits nowhere and nobody was asked (scripts, CI).",
     ),
 ) -> None:
-    """Show the plan for MODELS.yaml, then store it in Consul (llmgw/config/models) and register
-    its jobs. Asks first in a terminal (unless there is nothing to do); without one it applies a
+    """Show the plan for MODELS.yaml, then store it in Consul (one key per model under
+    llmgw/config/) and register its jobs. Asks first in a terminal (unless there is nothing to do); without one it applies a
     plan where everything fits, and refuses (exit 7) one where a model fits nowhere unless
     --allow-unplaceable. A model whose job ID is taken by a job llmgw did not render refuses the
     whole file (exit 5)."""

@@ -37,6 +37,7 @@ from nomad_driver.watcher.acting import Actor
 from nomad_driver.watcher.counting import retried
 from nomad_driver.watcher.decisions import Decision, ModelView, Park
 from nomad_driver.watcher.engine_errors import EngineErrors
+from nomad_driver.watcher.evaluations import EvaluationFeed, jobs_needing_evaluations
 from nomad_driver.watcher.feeds import AllocationFeed, JobFeed
 from nomad_driver.watcher.fenced import FencedStates
 from nomad_driver.watcher.health import Entry, HealthEntries
@@ -63,7 +64,6 @@ from nomad_driver.watcher.watch import (
     kept_allocation,
     kv_fetch,
     nodes_fetch,
-    nomad_list_fetch,
 )
 
 log = logging.getLogger("llmgw.watcher")
@@ -141,8 +141,8 @@ class Watcher:
             engines_fetch(consul, SERVICE_NAME, w),
             on_change=partial(self.wake, "consul-engines"),
         )
-        # Jobs and allocations are listed once and then followed by Nomad's event stream
-        # (watcher/feeds.py): a change costs what changed, not the whole namespace again.
+        # Jobs, allocations and evaluations are listed once, then followed by Nomad's event
+        # stream (watcher/feeds.py): a change costs what changed, not the whole namespace again.
         self.job_feed = JobFeed(nomad, w, jobs_fetch(nomad, w, JobCache()))
         self.jobs: Watch[Mapping[str, dict[str, Any]]] = Watch(
             "nomad-jobs", self.job_feed.fetch, on_change=partial(self.wake, "nomad-jobs")
@@ -153,10 +153,9 @@ class Watcher:
         self.allocs: Watch[tuple[dict[str, Any], ...]] = Watch(
             "nomad-allocations", self.alloc_feed.fetch, on_change=partial(self.wake, "nomad-allocations")
         )
+        self.eval_feed = EvaluationFeed(nomad, w)
         self.evals: Watch[tuple[dict[str, Any], ...]] = Watch(
-            "nomad-evaluations",
-            nomad_list_fetch(nomad, "evaluations", w),
-            on_change=partial(self.wake, "nomad-evaluations"),
+            "nomad-evaluations", self.eval_feed.fetch, on_change=partial(self.wake, "nomad-evaluations")
         )
         # Nodes feed the admin API, the engine metrics and the fabric room of multi-node models
         # (which wait for a first answer), so a change there does not wake a pass and a
@@ -279,8 +278,8 @@ class Watcher:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
-        self.alloc_feed.close()
-        self.job_feed.close()
+        for feed in (self.alloc_feed, self.job_feed, self.eval_feed):
+            feed.close()
         await self.leadership.resign()
         if self._executor is not None:
             # Nomad long polls still held in its threads end on their own, within their wait;
@@ -371,6 +370,7 @@ class Watcher:
                 self.load.record(name, views[name].now, d.recommendation)
         self.memory.keep_only_defined()
         self.views, self.decisions = views, decisions
+        self.eval_feed.needed = jobs_needing_evaluations(views.values())
         self.replicas = self._build_replicas(views)
         self.passes += 1
         if not self.leadership.is_leader:
@@ -378,7 +378,7 @@ class Watcher:
         if not self.ready_to_act():
             return False
         definitions = self.memory.definitions
-        if definitions.missing and definitions.text:
+        if definitions.missing and definitions.raw:
             await definitions.restore(self.consul)
             if definitions.missing:
                 return False

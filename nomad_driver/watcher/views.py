@@ -1,8 +1,8 @@
 """What the watcher knows of each model beyond one pass's readings, and the views made from both.
 
 The readings (KV, jobs, allocations, evaluations, engines, nodes) are the watches'; what outlives
-a pass is kept here: the definitions last read (and the last good copy, to put back if the key
-disappears), when each job's count was first seen and last changed (the scale-down delay and the
+a pass is kept here: the definitions last read (and the last good copy, to put back if the keys
+disappear), when each job's count was first seen and last changed (the scale-down delay and the
 step limit), the load over recent passes, the last pass that saw requests in flight, and which
 start each passing check vouches for. `build` makes every defined model's `ModelView`, which
 `reconcile` decides from.
@@ -15,12 +15,13 @@ from collections.abc import Mapping, Sequence
 from math import inf
 from typing import Any
 
+from nomad_driver.config_kv import CONFIG_PREFIX, LEGACY_MODELS_KEY, StoredDefinitions, definition_keys
+from nomad_driver.config_store import StoreConflict, store_keys
 from nomad_driver.consul import Consul, ConsulError, KVEntry
 from nomad_driver.placement import FabricRoom, eligible_nodes, fabric_rooms
-from nomad_driver.spec import Model, SpecError, decode_models_text, parse_models
+from nomad_driver.spec import Model, SpecError, decode_models_text
 from nomad_driver.state import (
     ACTIVITY_PREFIX,
-    CONFIG_MODELS_KEY,
     MalformedState,
     ModelState,
     parse_activity,
@@ -39,57 +40,37 @@ from nomad_driver.watcher.sightings import StartSightings
 log = logging.getLogger("llmgw.watcher")
 
 
-class Definitions:
-    """The models file as last read from `llmgw/config/models`, and its last good text."""
+class Definitions(StoredDefinitions):
+    """The definitions as last read from `llmgw/config/` (`config_kv.py`), and the last good
+    values, to put back if they disappear: without them the routers forget every model and
+    answer 404 until someone re-applies, while the watchers still know exactly what was
+    defined."""
 
     def __init__(self) -> None:
-        self.models: dict[str, Model] = {}
-        self.problem = ""  # why the latest text was not used, if it was bad
-        self.index = -1
-        # The last good models file, to put back if the key disappears (a Consul that lost its
-        # data): without it the routers forget every model and answer 404 until someone
-        # re-applies, while the watchers still know exactly what was defined.
-        self.text = b""
-        self.missing = False
+        super().__init__()
+        self._kv_index: int | None = -1
 
-    def load(self, kv: Mapping[str, KVEntry]) -> None:
-        entry = kv.get(CONFIG_MODELS_KEY)
-        index = entry.modify_index if entry else 0
-        if index == self.index:
+    def load(self, kv: Mapping[str, KVEntry], kv_index: int | None = None) -> None:
+        # The KV snapshot is all of `llmgw/`: most of its changes are states and activity, and
+        # a snapshot at the index already read holds no new definitions.
+        if kv_index is not None and kv_index == self._kv_index:
             return
-        self.index = index
-        if entry is None:
-            if self.models:
-                log.warning(
-                    "event=definitions_missing key=%s keeping=%d", CONFIG_MODELS_KEY, len(self.models)
-                )
-                self.missing = True
-            return
-        self.missing = False
-        origin = f"consul:{CONFIG_MODELS_KEY}"
-        try:
-            parsed = parse_models(decode_models_text(entry.value, origin), origin)
-        except SpecError as exc:
-            # Keep serving the last good definitions: a typo must not stop every model.
-            self.problem = "; ".join(exc.problems)
-            log.error("event=definitions_invalid key=%s problems=%r", CONFIG_MODELS_KEY, exc.problems)
-            return
-        self.problem = ""
-        self.models = dict(parsed.models)
-        self.text = entry.value
-        log.info("event=definitions_loaded models=%d", len(self.models))
+        self._kv_index = kv_index
+        self.read(kv)
 
     async def restore(self, consul: Consul) -> None:
-        # cas=0 writes only if the key is still absent, so an operator's apply in the meantime
-        # always wins over this copy.
+        # Create-only: an operator's apply in the meantime always wins over this copy.
+        raw = self.raw
         try:
-            restored = await consul.kv_put(CONFIG_MODELS_KEY, self.text, cas=0)
-        except ConsulError as exc:
-            log.warning("event=definitions_restore_failed key=%s error=%r", CONFIG_MODELS_KEY, str(exc))
+            if LEGACY_MODELS_KEY in raw:
+                raw = definition_keys(decode_models_text(raw[LEGACY_MODELS_KEY], LEGACY_MODELS_KEY))
+            result = await store_keys(consul, raw, create_only=True)
+        except (ConsulError, StoreConflict, SpecError) as exc:
+            log.warning("event=definitions_restore_failed prefix=%s error=%r", CONFIG_PREFIX, str(exc))
             return
         self.missing = False
-        if restored:
-            log.warning("event=definitions_restored key=%s models=%d", CONFIG_MODELS_KEY, len(self.models))
+        if result.changed:
+            log.warning("event=definitions_restored prefix=%s models=%d", CONFIG_PREFIX, len(self.models))
 
 
 class ViewBuilder:
@@ -161,7 +142,7 @@ class ViewBuilder:
         remembered as first seen, or a watcher's start would seed its holds with no replicas."""
         if kv_index is not None:
             self.states.settle(kv_index)
-        self.definitions.load(kv)
+        self.definitions.load(kv, kv_index)
         allocs_by_job: dict[str, list[dict[str, Any]]] = {}
         allocs_by_id: dict[str, dict[str, Any]] = {}
         for a in allocs or ():

@@ -52,43 +52,6 @@ def kept_allocation(alloc: Mapping[str, Any]) -> bool:
     return alloc.get("ClientStatus") in _HOLDING
 
 
-def nomad_list_fetch(
-    nomad: Nomad, collection: str, wait_s: float, params: dict[str, Any] | None = None
-) -> Callable[[int], Awaitable[tuple[int, tuple[dict[str, Any], ...]]]]:
-    """The items of one of llmgw's jobs in a collection (evaluations); the others are dropped
-    here, once. The collection's index moves for every job's items, so an answer in which
-    llmgw's are unchanged is handed on under the index the reader already has, and wakes no
-    pass; the next long poll still asks Nomad from the newest index."""
-    told = _Told()
-
-    async def fetch(index: int) -> tuple[int, tuple[dict[str, Any], ...]]:
-        unchanged_so_far = index != 0 and index == told.index
-        new_index, items = await asyncio.to_thread(
-            nomad.blocking_list,
-            collection,
-            index=told.nomad_index if unchanged_so_far else index,
-            wait_s=wait_s,
-            params=params,
-        )
-        mine = tuple(i for i in items if str(i.get("JobID", "")).startswith(JOB_PREFIX))
-        told.nomad_index = new_index
-        if unchanged_so_far and mine == told.items:
-            return index, mine
-        told.index, told.items = new_index, mine
-        return new_index, mine
-
-    return fetch
-
-
-@dataclass
-class _Told:
-    """What a filtered list last handed its reader, and the index Nomad answered last."""
-
-    index: int = 0
-    nomad_index: int = 0
-    items: tuple[dict[str, Any], ...] = ()
-
-
 @dataclass
 class JobCache:
     by_id: dict[str, tuple[int, dict[str, Any]]] = field(default_factory=dict)

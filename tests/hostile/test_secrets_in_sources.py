@@ -19,7 +19,7 @@ from nomad_driver.logs import LogfmtFormatter
 from nomad_driver.spec import SpecError, parse_models, redact
 from nomad_driver.state import CONFIG_MODELS_KEY
 from tests.hostile.conftest import Bystander, GuardedRouter, alpha_replica, chat
-from tests.router.conftest import StartStub, get_kv, put_kv, put_state, wait_until
+from tests.router.conftest import StartStub, get_definitions_kv, put_kv, put_state, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -124,9 +124,9 @@ def test_apply_refuses_a_source_with_a_credential_and_stores_nothing(
         cli_app, ["apply", str(good), "--auto-approve", "--allow-unplaceable"], env=env
     )
     assert applied.exit_code == 0, applied.output
-    stored = get_kv(consul_url, CONFIG_MODELS_KEY)
+    stored = get_definitions_kv(consul_url)
     jobs_before = httpx.get(f"{standin.url}/v1/jobs", timeout=10).json()
-    assert stored is not None and [j["ID"] for j in jobs_before] == ["llmgw-m"]
+    assert stored and [j["ID"] for j in jobs_before] == ["llmgw-m"]
 
     bad = tmp_path / "bad.yaml"
     bad.write_text(models_with(source))
@@ -137,7 +137,7 @@ def test_apply_refuses_a_source_with_a_credential_and_stores_nothing(
     assert "carries a credential" in refused.output and "Nomad Variable" in refused.output
     assert SECRET not in refused.output
     # Nothing of it stored: the definitions and the jobs are what the good apply left.
-    assert get_kv(consul_url, CONFIG_MODELS_KEY) == stored
+    assert get_definitions_kv(consul_url) == stored
     jobs = httpx.get(f"{standin.url}/v1/jobs", timeout=10).json()
     assert [(j["ID"], j["JobModifyIndex"]) for j in jobs] == [
         (j["ID"], j["JobModifyIndex"]) for j in jobs_before

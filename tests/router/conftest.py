@@ -4,6 +4,7 @@ engine job (service `llmgw-engine`, tag and meta `model`, an HTTP check on `/v1/
 
 from __future__ import annotations
 
+import base64
 import json
 import subprocess
 import sys
@@ -275,6 +276,15 @@ def get_kv(consul_url: str, key: str) -> str | None:
         return None
     resp.raise_for_status()
     return resp.text
+
+
+def get_definitions_kv(consul_url: str) -> dict[str, str]:
+    """Every key under `llmgw/config/` (the definitions, in whichever layout) and its value."""
+    resp = httpx.get(f"{consul_url}/v1/kv/llmgw/config/", params={"recurse": "true"}, timeout=5)
+    if resp.status_code == 404:
+        return {}
+    resp.raise_for_status()
+    return {e["Key"]: base64.b64decode(e["Value"] or "").decode() for e in resp.json()}
 
 
 def write_self_signed(directory: Path, days: int = 1) -> tuple[Path, Path, float]:
