@@ -353,7 +353,7 @@ class Discovery:
             # The keys vanished (a Consul that lost its data): keep routing on what was defined
             # rather than answer 404 for every model; the leading watcher writes them back.
             # Removing models is done by applying a file without them, not by deleting keys.
-            error = f"consul:{CONFIG_PREFIX} holds no definitions; keeping the {len(self.snapshot.models)} definitions last read"
+            error = f"consul:{CONFIG_PREFIX}: the definitions are missing; keeping the {len(self.snapshot.models)} last read"
             if self.snapshot.models_error != error:
                 log.warning(error)
             self._publish(replace(self.snapshot, models_error=error))
