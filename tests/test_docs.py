@@ -477,3 +477,13 @@ def test_every_error_code_the_router_answers_with_is_in_the_docs_table_and_no_ot
     assert {"model_parked", "headers_too_large", "invalid_request", "not_found"} <= emitted
     assert sorted(emitted - table) == [], "answered by the router but not in docs/router.md's error table"
     assert sorted(table - emitted) == [], "in docs/router.md's error table but never answered"
+
+
+def test_the_fetch_gauges_are_documented() -> None:
+    """They exist only while a fetch runs, so no scrape of an idle stand-in shows them missing."""
+    from nomad_driver.watcher.fetch_progress import fetch_metrics
+
+    text = (ROOT / "docs" / "metrics.md").read_text(encoding="utf-8")
+    running = {"m": [{"node": "n", "done": 1, "total": 2, "rate": 3}]}
+    for family in fetch_metrics(running):
+        assert f"| `{family.name}` | gauge | `model`, `node` |" in text, family.name
