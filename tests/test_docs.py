@@ -294,6 +294,10 @@ ELSEWHERE: dict[str, tuple[str, str]] = {
     "LLMGW_DEVSTACK_TINY": ("devstack/__main__.py", "the dev stack's tiny-model mode"),
     "LLMGW_DEVSTACK_ACL": ("devstack/__main__.py", "the dev stack with Nomad's ACLs on"),
     "LLMGW_DEVSTACK_TLS": ("devstack/__main__.py", "the dev stack with Nomad's API over HTTPS"),
+    "LLMGW_DEVSTACK_S3": (
+        "devstack/__main__.py",
+        "the dev stack with tiny-s3, fetched from a local S3 server",
+    ),
     "LLMGW_LLAMA_SERVER_BIN": ("devstack/llama_cpp.py", "the dev stack and tests: which llama-server to run"),
     "LLMGW_RPC_SERVER_BIN": (
         "devstack/llama_cpp.py",
