@@ -1,7 +1,7 @@
 """`python -m devstack up|down`: the single-machine llmgw stack for demos, development and tests.
 
     python -m devstack up [--tiny] [--state-dir DIR] [--services nomad|process] [--no-tour] [--alert-for 20s]
-                          [--acl] [--tls] [--no-models]
+                          [--acl] [--tls] [--s3] [--no-models]
     python -m devstack down [--state-dir DIR]
 
 `up` stays in the foreground until Ctrl-C (or `down` from another shell) and then stops every
@@ -82,6 +82,13 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
         "NOMAD_CACERT names its CA (env LLMGW_DEVSTACK_TLS=1)",
     )
     up.add_argument(
+        "--s3",
+        action="store_true",
+        default=os.environ.get("LLMGW_DEVSTACK_S3", "") not in ("", "0", "false"),
+        help="also serve tiny-s3, whose weights llmgw fetches from a local S3 server (moto) that enforces "
+        "credentials, with the keys in the model's Nomad Variable (env LLMGW_DEVSTACK_S3=1)",
+    )
+    up.add_argument(
         "--no-models",
         action="store_true",
         help="apply no models and wait for none: the cluster as docs/getting-started.md has it before step 4",
@@ -117,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         acl=args.acl,
         apply_models=not args.no_models,
         tls=args.tls,
+        s3=args.s3,
     )
     return stack.run_up(options)
 

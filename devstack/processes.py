@@ -15,7 +15,7 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -180,3 +180,12 @@ def stop_group(pid: int, timeout: float = 15.0) -> bool:
             return True
         time.sleep(0.1)
     return False
+
+
+def stop_children(state: StackState, say: Callable[[str], None]) -> None:
+    """Every recorded process group, newest first; the state file lists what `up` started."""
+    for child in reversed(state.children):
+        if not alive(child.pid) and not group_members(child.pid):
+            continue
+        if not stop_group(child.pid):
+            say(f"{child.name} (pid {child.pid}) did not stop, even on SIGKILL")

@@ -23,6 +23,7 @@ import httpx
 
 from devstack import agent_tls, consul_acls, demo_models, fleet, nomad_acls, nomad_agent, processes, services
 from devstack import prometheus as prom
+from devstack import s3_weights as s3
 from devstack.addresses import Addresses
 from devstack.consul_agent import ConsulAgent
 from devstack.ports import free_port
@@ -70,6 +71,7 @@ class UpOptions:
     apply_models: bool = True
     # Nomad's API over HTTPS, with a certificate of only the names `nomad tls cert create` gives.
     tls: bool = False
+    s3: bool = False  # and tiny-s3, fetched from a local S3 that enforces credentials (s3_weights.py)
 
 
 class Stack:
@@ -94,6 +96,7 @@ class Stack:
         self.consul_tokens: consul_acls.ConsulTokens | None = None
         self.nomad_ca: Path | None = None
         self.consul_ca: Path | None = None
+        self.s3: s3.S3Weights | None = None
 
     @property
     def management_token(self) -> str | None:
@@ -112,7 +115,7 @@ class Stack:
                 "stop it with 'python -m devstack down' or use another --state-dir"
             )
         if old is not None:
-            stop_children(old, self.say)
+            processes.stop_children(old, self.say)
         # Allocation directories hold copies of the weights; a new stack starts without them.
         shutil.rmtree(self.dir / "nomad", ignore_errors=True)
         self.logs.mkdir(parents=True, exist_ok=True)
@@ -149,6 +152,8 @@ class Stack:
         fleet.install_engines(self.engines_dir)
         # The demo models name node_pool gpu, as a cluster set up by the operating guide would.
         fleet.effective_nodes(o.nodes, self.engines_dir, self.nodes_file, gpu_pool=fleet.GPU_POOL)
+        if o.s3:
+            self.s3 = s3.set_up(self)
         self.say(f"models file: {self.models_file} (from {o.template})")
 
         self.say("starting a Consul dev agent ...")
@@ -326,6 +331,8 @@ class Stack:
         return self.addr.watchers[0] if self.addr.watchers else ""
 
     def _apply(self) -> None:
+        if self.s3 is not None:
+            s3.put_keys(self.addr.nomad, self.s3, self.management_token, self.nomad_ca)
         # Asked nothing (no one is at a terminal here), and phi-4 fits nowhere on purpose.
         flags = ["--auto-approve", "--allow-unplaceable"]
         self.say(f"llmgw apply {' '.join(flags)} {self.models_file}")
@@ -347,7 +354,7 @@ class Stack:
         if not self.options.apply_models:
             return {}
         if self.nomad_is_standin:
-            return dict(demo_models.EXPECTED)
+            return {**demo_models.EXPECTED, **({s3.MODEL: "serving"} if self.s3 else {})}
         return {**demo_models.EXPECTED, "gemma-3-270m-split": "unplaceable"}
 
     def wait_for_demo(self, expected: dict[str, str] = demo_models.EXPECTED) -> dict[str, dict[str, Any]]:
@@ -415,20 +422,11 @@ class Stack:
             services.wait_allocs_gone(nomad_url, None, 45, token, self.nomad_ca)
         if self.state.children:
             self.say(f"stopping {', '.join(c.name for c in reversed(self.state.children))} ...")
-        stop_children(self.state, self.say)
+        processes.stop_children(self.state, self.say)
         self.consul = None
         self.nomad_proc = None
         self.prometheus = None
         (self.dir / processes.STATE_FILE).unlink(missing_ok=True)
-
-
-def stop_children(state: processes.StackState, say: Say) -> None:
-    """Every recorded process group, newest first; the state file lists what `up` started."""
-    for child in reversed(state.children):
-        if not processes.alive(child.pid) and not processes.group_members(child.pid):
-            continue
-        if not processes.stop_group(child.pid):
-            say(f"{child.name} (pid {child.pid}) did not stop, even on SIGKILL")
 
 
 def run_up(options: UpOptions, say: Say = say) -> int:
@@ -493,7 +491,7 @@ def run_down(state_dir: Path, say: Say = say, timeout: float = 120.0) -> int:
         while processes.alive(state.up_pid) and time.monotonic() < deadline:
             time.sleep(0.2)
     # Whatever is left (devstack up was killed, or did not finish in time) is stopped by group.
-    stop_children(state, say)
+    processes.stop_children(state, say)
     (state_dir / processes.STATE_FILE).unlink(missing_ok=True)
     say("stopped")
     return 0

@@ -294,6 +294,10 @@ ELSEWHERE: dict[str, tuple[str, str]] = {
     "LLMGW_DEVSTACK_TINY": ("devstack/__main__.py", "the dev stack's tiny-model mode"),
     "LLMGW_DEVSTACK_ACL": ("devstack/__main__.py", "the dev stack with Nomad's ACLs on"),
     "LLMGW_DEVSTACK_TLS": ("devstack/__main__.py", "the dev stack with Nomad's API over HTTPS"),
+    "LLMGW_DEVSTACK_S3": (
+        "devstack/__main__.py",
+        "the dev stack with tiny-s3, fetched from a local S3 server",
+    ),
     "LLMGW_LLAMA_SERVER_BIN": ("devstack/llama_cpp.py", "the dev stack and tests: which llama-server to run"),
     "LLMGW_RPC_SERVER_BIN": (
         "devstack/llama_cpp.py",
@@ -477,3 +481,13 @@ def test_every_error_code_the_router_answers_with_is_in_the_docs_table_and_no_ot
     assert {"model_parked", "headers_too_large", "invalid_request", "not_found"} <= emitted
     assert sorted(emitted - table) == [], "answered by the router but not in docs/router.md's error table"
     assert sorted(table - emitted) == [], "in docs/router.md's error table but never answered"
+
+
+def test_the_fetch_gauges_are_documented() -> None:
+    """They exist only while a fetch runs, so no scrape of an idle stand-in shows them missing."""
+    from nomad_driver.watcher.fetch_progress import fetch_metrics
+
+    text = (ROOT / "docs" / "metrics.md").read_text(encoding="utf-8")
+    running = {"m": [{"node": "n", "done": 1, "total": 2, "rate": 3}]}
+    for family in fetch_metrics(running):
+        assert f"| `{family.name}` | gauge | `model`, `node` |" in text, family.name

@@ -1,5 +1,5 @@
-"""How far the fetches of a model's weights have come, for the admin API and `llmgw ctl models
-MODEL`: read from each running fetch task's stdout (its `fetch progress:` lines) through
+"""How far the fetches of a model's weights have come, for the admin API, `llmgw ctl status` and
+the metrics (watcher/fetch_progress.py bounds how often): read from each running fetch task's stdout (its `fetch progress:` lines) through
 Nomad's logs API, when asked, so a slow download shows as moving rather than as a model that
 does not start."""
 
@@ -61,21 +61,18 @@ def fetching(allocs: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
     return out
 
 
-async def read_progress(nomad: Nomad, allocs: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Each running fetch's last progress line; a fetch whose log cannot be read in time is left
-    out rather than holding up the answer."""
-    found: list[dict[str, Any]] = []
-    for alloc in fetching(allocs):
-        alloc_id = str(alloc.get("ID") or "")
-        try:
-            tail = await asyncio.wait_for(
-                asyncio.to_thread(nomad.log_tail, alloc_id, FETCH_TASK, "stdout"), READ_TIMEOUT_S
-            )
-        except (NomadError, TimeoutError):
-            continue
-        parsed = last_progress(tail)
-        if parsed is None:
-            continue
-        p = FetchProgress(alloc_id, str(alloc.get("NodeName") or ""), *parsed)
-        found.append({**asdict(p), "text": p.text()})
-    return found
+async def read_one(nomad: Nomad, alloc: Mapping[str, Any]) -> dict[str, Any] | None:
+    """A running fetch's last progress line; None when its log cannot be read in time (it is
+    left out rather than holding up the answer) or shows no progress yet."""
+    alloc_id = str(alloc.get("ID") or "")
+    try:
+        tail = await asyncio.wait_for(
+            asyncio.to_thread(nomad.log_tail, alloc_id, FETCH_TASK, "stdout"), READ_TIMEOUT_S
+        )
+    except (NomadError, TimeoutError):
+        return None
+    parsed = last_progress(tail)
+    if parsed is None:
+        return None
+    p = FetchProgress(alloc_id, str(alloc.get("NodeName") or ""), *parsed)
+    return {**asdict(p), "text": p.text()}

@@ -24,12 +24,12 @@ from nomad_driver import engines
 from nomad_driver.admin_api import TOKEN_ENV
 from nomad_driver.certs import register_cert_collector
 from nomad_driver.consul import ConsulError
-from nomad_driver.fetch.progress import read_progress
 from nomad_driver.node_meta import ENGINE_KEY_PREFIX, FABRIC_KEY, models_cached
 from nomad_driver.placement import job_fabric
 from nomad_driver.redaction import redact
 from nomad_driver.summary import fleet_summary, gpu_use, held_devices, node_state
 from nomad_driver.watcher.decisions import ModelView
+from nomad_driver.watcher.fetch_progress import FetchProgressCache, fetch_metrics, with_fetch
 from nomad_driver.watcher.loop import NotLeader, UnknownModel, Watcher
 from nomad_driver.watcher.scaling import REASONS
 
@@ -68,6 +68,8 @@ def engine_installs(nodes: Iterable[Mapping[str, Any]]) -> dict[tuple[str, str],
 class WatcherCollector(Collector):
     def __init__(self, watcher: Watcher) -> None:
         self.watcher = watcher
+        # Running fetches, read (through the bounded cache) by /metrics just before it collects.
+        self.fetches: dict[str, list[dict[str, Any]]] = {}
 
     def collect(self) -> Iterator[Metric]:
         w = self.watcher
@@ -152,6 +154,7 @@ class WatcherCollector(Collector):
                 reasons.add_metric([name, reason], 1 if d and d.desired_reason == reason else 0)
         yield from gauges.values()
         yield reasons
+        yield from fetch_metrics(self.fetches)
         yield shards_running(w)
         leader = GaugeMetricFamily("llmgw_leader", "1 on the watcher that leads.")
         leader.add_metric([], 1 if w.leadership.is_leader else 0)
@@ -366,7 +369,9 @@ def create_app(
         openapi_url="/openapi.json" if docs else None,
     )
     registry = CollectorRegistry()
-    registry.register(WatcherCollector(watcher))
+    collector = WatcherCollector(watcher)
+    registry.register(collector)
+    fetches = FetchProgressCache(watcher.nomad)
     register_cert_collector(registry)
 
     def authorized(request: Request) -> bool:
@@ -405,15 +410,21 @@ def create_app(
 
     @app.get("/metrics")
     async def metrics() -> Response:
+        collector.fetches = await fetches.of_models(watcher.views)
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/admin/models")
     async def models() -> dict[str, Any]:
+        running = await fetches.of_models(watcher.views)
         return {
             "is_leader": watcher.leadership.is_leader,
             "leader": _leader(watcher),
             "definitions_problem": redact(watcher.definitions_problem),
-            "models": [model_status(watcher, n) for n in sorted(watcher.decisions) if n in watcher.models],
+            "models": [
+                with_fetch(model_status(watcher, n), running.get(n, []))
+                for n in sorted(watcher.decisions)
+                if n in watcher.models
+            ],
         }
 
     @app.get("/v1/admin/summary")
@@ -435,10 +446,9 @@ def create_app(
             status = model_status(watcher, model)
         except UnknownModel:
             return JSONResponse({"error": f"model '{model}' is not defined"}, status_code=404)
-        # Downloads of its weights under way (llmgw fetch), read from their logs when asked.
         view = watcher.views.get(model)
-        status["fetch"] = await read_progress(watcher.nomad, view.allocs if view is not None else ())
-        return JSONResponse(status)
+        running = await fetches.of_models({model: view} if view is not None else {})
+        return JSONResponse(with_fetch(status, running.get(model, [])))
 
     @app.post("/v1/admin/models/{model}/retry")
     async def retry(model: str, request: Request) -> Response:

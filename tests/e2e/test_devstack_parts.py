@@ -10,8 +10,10 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from devstack import demo_models, fleet, processes
+from devstack import demo_models, fleet, processes, s3_weights
 from devstack.nomad.nodes import load_nodes
+from nomad_driver.fetch.render import HOST_VOLUME
+from nomad_driver.fetch.sources import is_fetched
 from nomad_driver.placement import choose_fabric, eligible_nodes, fabric_rooms
 from nomad_driver.spec import load_models, parse_models
 
@@ -107,3 +109,26 @@ def test_the_demo_fleet_has_one_fabric_entirely_free_for_the_split_model_and_onl
     # The small fleet the tests use is the demo fleet without them.
     small = {n["name"] for n in yaml.safe_load(fleet.SMALL_FLEET.read_text())["nodes"]}
     assert set(pools) - small == {"gpu-a10-0", "gpu-a10-1", "general-0"}
+
+
+def test_with_s3_every_gpu_node_has_a_weights_cache_and_tiny_s3_is_fetched_from_s3(tmp_path: Path) -> None:
+    """What `devstack up --s3` writes before Nomad starts: the fetch's host volume and
+    `llmgw_models_dir` on each GPU node (a cache of its own), and tiny-s3 beside the demo's models."""
+    nodes = fleet.effective_nodes(
+        fleet.DEMO_FLEET, tmp_path / "engines", tmp_path / "nodes.yaml", gpu_pool="gpu"
+    )
+    s3_weights.give_nodes_caches(nodes, tmp_path / "weights")
+    loaded = load_nodes(nodes)
+    gpu_nodes = [n for n in loaded if n["NodeClass"] != "general"]
+    assert gpu_nodes
+    for node in gpu_nodes:
+        cache = tmp_path / "weights" / node["Name"]
+        assert node["Meta"]["llmgw_models_dir"] == str(cache) and cache.is_dir()
+        assert node["HostVolumes"][HOST_VOLUME]["Path"] == str(cache)
+    models_dir, _ = demo_models.prepare_weights(tmp_path / "models", tiny=True, say=_say)
+    out = demo_models.write_effective_models(tmp_path / "models.yaml", models_dir)
+    source = f"s3://{s3_weights.BUCKET}/{s3_weights.KEY}?region=us-east-1&endpoint=http://127.0.0.1:9"
+    s3_weights.add_model(out, source)
+    models = load_models(out).models
+    assert set(demo_models.EXPECTED) < set(models)
+    assert models[s3_weights.MODEL].source == source and is_fetched(source)

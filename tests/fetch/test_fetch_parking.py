@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 import pytest
 import requests
+from prometheus_client.parser import text_string_to_metric_families
 
 from nomad_driver.fetch.render import HOST_VOLUME
 from nomad_driver.variables import source_variable_path
@@ -132,6 +133,19 @@ async def test_a_slow_source_shows_its_progress_and_the_model_starts_when_it_is_
             progress = await until(moving, 60, "a fetch under way in the admin API", every=0.3)
             assert progress["total"] == size and progress["rate"] > 0
             assert " of 1.0 MiB at " in progress["text"]
+            # The fleet's list (what `llmgw ctl status` shows) and the metrics say it too.
+            listed = (await admin.get("/v1/admin/models")).json()["models"]
+            tiny = next(m for m in listed if m["model"] == "tiny")
+            assert tiny["reason"].startswith("fetching weights: ") and " of 1.0 MiB at " in tiny["reason"]
+            assert tiny["fetch"] and tiny["fetch"][0]["total"] == size
+            scraped = {
+                s.name: (s.labels, s.value)
+                for f in text_string_to_metric_families((await admin.get("/metrics")).text)
+                for s in f.samples
+                if s.name.startswith("llmgw_model_fetch_")
+            }
+            assert scraped["llmgw_model_fetch_total_bytes"] == ({"model": "tiny", "node": "cpu-0"}, size)
+            assert 0 < scraped["llmgw_model_fetch_bytes"][1] <= size
             # Moving slowly is no failure.
             state = await read_state(consul, "tiny")
             assert state is None or state.consecutive_failures == 0
