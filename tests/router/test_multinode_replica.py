@@ -54,6 +54,15 @@ def ask(url: str) -> str:
     return answer.choices[0].message.role
 
 
+async def sample_failures(consul: Any, model: str, seen: list[int]) -> None:
+    """Appends the model's stored consecutive failures every 0.1 s, so a test can say that the
+    count never moved, not only where it ended."""
+    while True:
+        state = await read_state(consul, model)
+        seen.append(state.consecutive_failures if state else 0)
+        await asyncio.sleep(0.1)
+
+
 def rpc_server_pids(job_id: str = "llmgw-tiny-split") -> dict[int, str]:
     """Running ggml-rpc-server processes of the job's allocations: pid -> cmdline."""
     found = {}
@@ -88,15 +97,8 @@ async def test_the_watcher_pins_a_two_shard_replica_to_one_fabric_and_restarts_i
     )
     (model,) = parse_models(text).models.values()
     seen: list[int] = []
-
-    async def sample_failures() -> None:
-        while True:
-            state = await read_state(consul, "tiny-split")
-            seen.append(state.consecutive_failures if state else 0)
-            await asyncio.sleep(0.1)
-
     await watcher.start()
-    sampler = asyncio.create_task(sample_failures())
+    sampler = asyncio.create_task(sample_failures(consul, "tiny-split", seen))
     try:
         router = start_router(consul_url)
         await asyncio.to_thread(router.wait_ready, "tiny-split", 1, 180)
@@ -201,15 +203,8 @@ async def test_a_shard_slow_to_listen_is_waited_for_and_the_bring_up_counts_no_f
     )
     (model,) = parse_models(text).models.values()
     seen: list[int] = []
-
-    async def sample_failures() -> None:
-        while True:
-            state = await read_state(consul, "tiny-split")
-            seen.append(state.consecutive_failures if state else 0)
-            await asyncio.sleep(0.1)
-
     await watcher.start()
-    sampler = asyncio.create_task(sample_failures())
+    sampler = asyncio.create_task(sample_failures(consul, "tiny-split", seen))
     try:
         await until(
             lambda: (d := watcher.decisions.get("tiny-split")) is not None and d.ready == 1,
