@@ -10,6 +10,7 @@ whether the model is unplaceable right now.
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -20,7 +21,10 @@ from typing import Any
 from nomad_driver.fields import as_int
 from nomad_driver.node_meta import FABRIC_KEY, GPU_COUNT_KEY, interpolated, models_cached
 from nomad_driver.spec import Profile
+from nomad_driver.state import ModelState
 from nomad_driver.summary import fleet_summary
+
+log = logging.getLogger("llmgw.watcher")
 
 # Evaluations that say nothing about placement yet (pending) or were superseded (canceled).
 _UNDECIDED = {"pending", "canceled", "cancelled"}
@@ -216,9 +220,25 @@ class PlacementWarnings:
         self._last[model] = (reason, now)
         return True
 
+    def log_decision(self, model: str, state: ModelState) -> None:
+        """Log a model's placement warning when due (`should_log`); a placed model's is cleared."""
+        if not state.unplaceable:
+            self.clear(model)
+        elif self.should_log(model, state.placement_reason):
+            log.warning(
+                "event=unplaceable model=%s eval=%s reason=%r",
+                model,
+                state.placement_eval,
+                state.placement_reason,
+            )
+
     def clear(self, model: str) -> None:
         """Placed: the next failure is news again."""
         self._last.pop(model, None)
+
+    def due(self, now: float) -> list[str]:
+        """The models whose warning is due to be logged again (a pass decides them again)."""
+        return [m for m, (_, at) in self._last.items() if at + self.every_s <= now]
 
     def next_due(self) -> float:
         """When a warning that stays the same is next logged again (inf: none logged)."""

@@ -107,17 +107,15 @@ def test_the_suites_check_names_a_model_whose_skipped_pass_would_have_decided_ot
 
     asyncio.run(w.run_pass())
     assert w.decisions["od"].desired == 1
-    # The pass's own deadline is the idle timeout: past it, the loop runs a pass, not a skip.
-    clock[0] = NOW + 20
-    assert not w._news and clock[0] >= w._quiet_until
+    # Past the model's own deadline (its idle timeout), it is marked for a pass.
+    assert w._read_changes(NOW + 20)
 
-    # A broken deadline (as if the idle timeout were not one) lets the loop skip that pass; the
-    # check runs it anyway and writes down that it scales the model to 0.
-    monkeypatch.setattr(watcher_loop, "quiet_until", lambda views, decisions, now: float("inf"))
-    clock[0] = NOW
+    # A broken deadline (as if the idle timeout were not one) leaves the model unmarked; the
+    # check runs the pass anyway and writes down that it scales the model to 0.
+    monkeypatch.setattr(watcher_loop, "model_quiet_until", lambda view, d, now: float("inf"))
     asyncio.run(w.run_pass())
     clock[0] = NOW + 20
-    assert clock[0] < w._quiet_until
+    assert not w._read_changes(clock[0])
     asyncio.run(w._quiet_tick())
     lines = [json.loads(line) for line in found.read_text().splitlines()]
     assert [line["model"] for line in lines] == ["od"]
@@ -148,10 +146,10 @@ def test_a_node_change_is_news_only_when_a_pass_reads_what_changed(text: str) ->
     assert w.models["od"].profile.nodes == (2 if text is SPLIT else 1)
 
     def nodes_read(*entries: dict[str, Any]) -> bool:
-        w._news = False
+        w.marks.take(NOW)
         w.nodes.snapshot = Reading(1, entries, 0.0)
         w._nodes_read()
-        return w._news
+        return w.marks.pending(NOW)
 
     node = {"ID": "n1", "Name": "n1", "Meta": {"llmgw_fabric": "ib-a"}, "ModifyIndex": 5}
     assert nodes_read(node)  # first sight

@@ -90,6 +90,7 @@ class EvaluationFeed(_Feed[tuple[dict[str, Any], ...]]):
         if len(to_read) > READ_EACH_UP_TO:
             # A wave (a fleet rescheduled after a node died): one list costs less than a read each.
             await self.list_all()
+            self._changes = None
             return True
         changed = False
         for job_id, evaluations in touched.items():
@@ -112,6 +113,7 @@ class EvaluationFeed(_Feed[tuple[dict[str, Any], ...]]):
                 else:
                     self.by_job.pop(job_id, None)  # a purged job's
                 changed = True
+                self.changed(job_id)
         if changed:
             self._refresh()
         return changed

@@ -29,6 +29,9 @@ from nomad_driver.nomad import JOB_PREFIX, EventStream, Nomad
 
 T = TypeVar("T")
 
+# A change hint's stand-in for "another job's allocation": it touches the multi-node models.
+OTHER_JOBS = ""
+
 RESYNC_S = 300.0
 # Past this many of llmgw's allocations changed in one batch of frames (a fleet rescheduled after
 # a node died), one list costs less than a read each.
@@ -64,6 +67,17 @@ class _Feed(Generic[T]):
         self.applied = 0  # the newest frame taken in (frames at or below it are replays)
         self.listed_at = -inf
         self.lists = 0  # full lists made, for tests and the benchmark
+        # The jobs whose entries changed since the watcher last took them (`readings.py`), or
+        # None: a list that changed what is held, which may touch any of them.
+        self._changes: set[str] | None = set()
+
+    def take_changes(self) -> set[str] | None:
+        changes, self._changes = self._changes, set()
+        return changes
+
+    def changed(self, job_id: str) -> None:
+        if self._changes is not None:
+            self._changes.add(job_id)
 
     async def fetch(self, index: int) -> tuple[int, T]:
         try:
@@ -103,6 +117,7 @@ class _Feed(Generic[T]):
         # and a new one would wake a pass over every model for nothing.
         if held is None or self.index == 0 or self.data() != held:
             self.index = index
+            self._changes = None
         self.stream = EventStream(self.nomad, [self.topic], index + 1)
         return self.index, self.data()
 
@@ -155,6 +170,7 @@ class AllocationFeed(_Feed[tuple[dict[str, Any], ...]]):
             alloc_id = str(alloc.get("ID") or event.get("Key") or "")
             if str(alloc.get("JobID", "")).startswith(JOB_PREFIX):
                 ours[alloc_id] = None
+                self.changed(str(alloc.get("JobID")))
                 continue
             held = self.by_id.get(alloc_id)
             if self.kept(alloc):
@@ -164,8 +180,11 @@ class AllocationFeed(_Feed[tuple[dict[str, Any], ...]]):
             elif held is not None:
                 del self.by_id[alloc_id]
                 changed = True
+        if changed:
+            self.changed(OTHER_JOBS)
         if len(ours) > READ_EACH_UP_TO:
             await self.list_all()
+            self._changes = None
             return True
         for alloc_id in ours:
             _, stubs = await asyncio.to_thread(
@@ -229,6 +248,7 @@ class JobFeed(_Feed[Mapping[str, dict[str, Any]]]):
             else:
                 by_id[job_id] = job
                 changed = True
+            self.changed(job_id)
         self.by_id = by_id
         return changed
 

@@ -4,11 +4,13 @@ what the last one wrote."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
 from nomad_driver.consul import Consul
-from nomad_driver.state import LEADER_KEY, ModelState, state_key
+from nomad_driver.state import LEADER_KEY, MalformedState, ModelState, parse_state, state_key
+from nomad_driver.watcher.decisions import ModelView
 from nomad_driver.watcher.leader import Leadership
 
 log = logging.getLogger("llmgw.watcher")
@@ -63,3 +65,16 @@ class FencedStates:
         else:
             log.info("event=state_conflict model=%s key=%s", model, key)
         return False
+
+
+async def with_stored_state(consul: Consul, view: ModelView) -> ModelView:
+    """`view` with the model's state as Consul holds it now (an admin operation's read)."""
+    key = state_key(view.model.name)
+    _, entries = await consul.kv_get(key)
+    if not entries:
+        return dataclasses.replace(view, state=None, state_index=0)
+    try:
+        state: ModelState | None = parse_state(key, entries[0].value)
+    except MalformedState:
+        state = None  # replaced whole, as a pass replaces it
+    return dataclasses.replace(view, state=state, state_index=entries[0].modify_index)

@@ -10,7 +10,7 @@ duplicates. Entries for models no longer defined are removed by whichever watche
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from nomad_driver.consul import Consul
@@ -56,8 +56,9 @@ class HealthEntries:
             known[sid[len(SERVICE) + 1 :]] = Entry(str(check.get("Status", "")), str(check.get("Output", "")))
         return known
 
-    async def sync(self, desired: Mapping[str, Entry]) -> int:
-        """Register changed entries and remove stale ones; returns how many writes it made."""
+    async def sync(self, desired: Mapping[str, Entry], gone: Iterable[str] | None = None) -> int:
+        """Register changed entries and remove stale ones: all the others (`gone` None: the
+        models of a full pass), or those named; returns how many writes it made."""
         if self._known is None:
             self._known = await self._load()
         # The Consul UI shows the output to anyone with catalog read; redacted before comparing,
@@ -70,7 +71,8 @@ class HealthEntries:
             await self.consul.catalog_register(self._body(model, entry))
             self._known[model] = entry
             writes += 1
-        for model in sorted(set(self._known) - set(desired)):
+        stale = set(self._known) - set(desired) if gone is None else set(gone) & set(self._known)
+        for model in sorted(stale):
             await self.consul.catalog_deregister(self.node, service_id(model))
             del self._known[model]
             writes += 1

@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
+import math
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
-from math import inf
 from typing import Any
 
 from nomad_driver.blocking import Watch
@@ -28,33 +27,29 @@ from nomad_driver.placement import PlacementWarnings
 from nomad_driver.render import SERVICE_NAME
 from nomad_driver.spec import Model
 from nomad_driver.state import (
-    MalformedState,
     ModelState,
-    parse_state,
     state_key,
 )
 from nomad_driver.watcher.acting import Actor
 from nomad_driver.watcher.counting import retried
-from nomad_driver.watcher.decisions import Decision, ModelView, Park
+from nomad_driver.watcher.decisions import Decision, ModelView
 from nomad_driver.watcher.engine_errors import EngineErrors
-from nomad_driver.watcher.evaluations import EvaluationFeed, jobs_needing_evaluations
-from nomad_driver.watcher.feeds import AllocationFeed, JobFeed
-from nomad_driver.watcher.fenced import FencedStates
+from nomad_driver.watcher.evaluations import EvaluationFeed
+from nomad_driver.watcher.feeds import AllocationFeed, JobFeed, _Feed
+from nomad_driver.watcher.fenced import FencedStates, with_stored_state
 from nomad_driver.watcher.health import Entry, HealthEntries
 from nomad_driver.watcher.in_flight import (
     INFLIGHT_FORGET_AFTER_S,
     forget_gone_routers,
-    routers_change_at,
 )
 from nomad_driver.watcher.isolation import BrokenModels, broken_decision, reconcile_each
 from nomad_driver.watcher.leader import LeaderInfo, Leadership, LeaseLost
-from nomad_driver.watcher.quiet import quiet_until, record_differences, verify_file
+from nomad_driver.watcher.marks import ChangeReader, Marks
+from nomad_driver.watcher.quiet import model_quiet_until, record_differences, verify_file
 from nomad_driver.watcher.reconcile import DEFAULT_MAX_START_FAILURES
-from nomad_driver.watcher.replicas import (
-    list_replicas,
-    node_fabrics,
-)
+from nomad_driver.watcher.replicas import node_fabrics
 from nomad_driver.watcher.scaling import DEFAULT_STEP_INTERVAL_S, DEFAULT_UP_WINDOW_S, LoadHistory
+from nomad_driver.watcher.standing import Standing
 from nomad_driver.watcher.views import ViewBuilder
 from nomad_driver.watcher.watch import (
     JobCache,
@@ -145,17 +140,21 @@ class Watcher:
         # stream (watcher/feeds.py): a change costs what changed, not the whole namespace again.
         self.job_feed = JobFeed(nomad, w, jobs_fetch(nomad, w, JobCache()))
         self.jobs: Watch[Mapping[str, dict[str, Any]]] = Watch(
-            "nomad-jobs", self.job_feed.fetch, on_change=partial(self.wake, "nomad-jobs")
+            "nomad-jobs", self.job_feed.fetch, on_change=partial(self._feed_read, "nomad-jobs", self.job_feed)
         )
         # With resources: the summary counts a GPU as used from the allocation that holds it,
         # whoever's job it is, and so does a multi-node model's room.
         self.alloc_feed = AllocationFeed(nomad, w, kept_allocation)
         self.allocs: Watch[tuple[dict[str, Any], ...]] = Watch(
-            "nomad-allocations", self.alloc_feed.fetch, on_change=partial(self.wake, "nomad-allocations")
+            "nomad-allocations",
+            self.alloc_feed.fetch,
+            on_change=partial(self._feed_read, "nomad-allocations", self.alloc_feed),
         )
         self.eval_feed = EvaluationFeed(nomad, w)
         self.evals: Watch[tuple[dict[str, Any], ...]] = Watch(
-            "nomad-evaluations", self.eval_feed.fetch, on_change=partial(self.wake, "nomad-evaluations")
+            "nomad-evaluations",
+            self.eval_feed.fetch,
+            on_change=partial(self._feed_read, "nomad-evaluations", self.eval_feed),
         )
         # Nodes feed the admin API, the engine metrics and the fabric room of multi-node models
         # (which wait for a first answer), so a change there does not wake a pass and a
@@ -164,29 +163,23 @@ class Watcher:
         self.nodes: Watch[tuple[dict[str, Any], ...]] = Watch(
             "nomad-nodes", nodes_fetch(nomad, w, NodeCache()), on_change=self._nodes_read
         )
-        self._node_fabrics: dict[str, str] | None = None
-        self.decisions: dict[str, Decision] = {}
-        self.views: dict[str, ModelView] = {}
+        # The models each pass reconciles (`marks.py`), what each change touched
+        # (`readings.py`), and what stands between passes per model (`standing.py`).
+        self.marks = Marks()
+        self.standing = Standing()
         self.passes = 0
-        # Passes skipped with nothing new to read (`watcher/quiet.py`): anything a watch reads,
-        # or a leadership change, is news and wakes a full pass; the tick alone skips one
-        # until the clock reaches what the last decisions depend on.
+        # Ticks with no model to reconcile: nothing new was read and no model's clock came due.
         self.skipped_passes = 0
-        self._news = True
         # What brought news since the last pass, and how many passes each cause ran (a pass
         # with none was the tick's, for a deadline), for /healthz and the benchmark.
         self._news_from: set[str] = {"start"}
         self.pass_causes: Counter[str] = Counter()
-        self._quiet_until = -inf
         self._verify_skips = verify_file()
         self.last_pass_cpu_s = 0.0
         self._tasks: list[asyncio.Task[None]] = []
         self._executor: ThreadPoolExecutor | None = None
         self._apply_lock = asyncio.Lock()
         self.leader_changes = 0
-        # Replicas as of the last pass, and since when each has been in its state.
-        self.replicas: list[dict[str, Any]] = []
-        self._replica_since: dict[str, tuple[str, float]] = {}
         # The engine's own words for a failed start, read once per start.
         self.engine_errors = EngineErrors(nomad, self.config.stderr_wait_s)
         self.broken = BrokenModels()
@@ -199,6 +192,15 @@ class Watcher:
             activity_interval_s=self.config.activity_interval_s,
             scale_step_interval_s=self.config.scale_step_interval_s,
         )
+        self.changes = ChangeReader(
+            self.marks,
+            self.memory,
+            self.warnings,
+            self.kv,
+            self.engines,
+            {"nomad-jobs": self.jobs, "nomad-allocations": self.allocs, "nomad-evaluations": self.evals},
+            self.nodes,
+        )
         self.actor = Actor(nomad, self.leadership, self.states, self.engine_errors, clock)
 
     @property
@@ -210,6 +212,18 @@ class Watcher:
         self.memory.definitions.models = models
 
     @property
+    def views(self) -> dict[str, ModelView]:
+        return self.standing.views
+
+    @property
+    def decisions(self) -> dict[str, Decision]:
+        return self.standing.decisions
+
+    @property
+    def replicas(self) -> list[dict[str, Any]]:
+        return self.standing.replicas
+
+    @property
     def definitions_problem(self) -> str:
         return self.memory.definitions.problem
 
@@ -217,7 +231,7 @@ class Watcher:
     def load(self) -> LoadHistory:
         return self.memory.load
 
-    def build_views(self, now: float | None = None) -> dict[str, ModelView]:
+    def build_views(self, now: float | None = None, only: set[str] | None = None) -> dict[str, ModelView]:
         kv = self.kv.snapshot
         return self.memory.build(
             self.clock() if now is None else now,
@@ -229,30 +243,32 @@ class Watcher:
             self.engines.snapshot.data if self.engines.snapshot else (),
             self.nodes.snapshot.data if self.nodes.snapshot else None,
             jobs_read=self.jobs.snapshot is not None,
+            only=only,
         )
 
     # Lifecycle
 
     def wake(self, cause: str = "wake") -> None:
-        self._news = True
         self._news_from.add(cause)
         self._wake.set()
 
+    def _feed_read(self, name: str, feed: _Feed[Any]) -> None:
+        self.changes.feed_read(name, feed)
+        self.wake(name)
+
     def _nodes_read(self) -> None:
-        """A pass reads of the nodes only each one's fabric (the replica list) and, for a
-        multi-node model, the room in each fabric; any other node change (another job placed,
-        a heartbeat's fields) is not news, or it would cost a pass over every model."""
-        fabrics = node_fabrics(self.nodes.snapshot.data if self.nodes.snapshot else ())
-        if fabrics != self._node_fabrics or any(m.profile.nodes > 1 for m in self.models.values()):
-            self._node_fabrics = fabrics
-            self._news = True
+        if self.changes.nodes_read():
             self._news_from.add("nomad-nodes")
+
+    def _read_changes(self, now: float) -> bool:
+        return self.changes.read(now)
 
     def _leader_changed(self, leading: bool) -> None:
         self.leader_changes += 1
         # A new leader reads the catalog before correcting it; a deposed one forgets its cache.
         self.health.forget()
         self.states.forget()
+        self.marks.all()
         self.wake("leadership")
 
     async def start(self) -> None:
@@ -293,13 +309,14 @@ class Watcher:
         while True:
             # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a cancel that
             # lands as the event fires, and stop() then waits forever on this task.
+            wait = min(self.config.tick_s, max(0.0, self.marks.next_due() - self.clock()))
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.config.tick_s):
+                async with asyncio.timeout(wait):
                     await self._wake.wait()
             self._wake.clear()
             started = time.monotonic()
             try:
-                if not self._news and self.clock() < self._quiet_until:
+                if not self._read_changes(self.clock()):
                     await self._quiet_tick()
                     continue
                 await self.run_pass()
@@ -331,48 +348,69 @@ class Watcher:
     # The pass
 
     async def run_pass(self) -> None:
-        # Taken before the snapshots are read: what a watch brings in meanwhile is news still.
-        self._news = False
         self.pass_causes.update(self._news_from or {"tick"})
         self._news_from = set()
-        self._quiet_until = -inf
         now = self.clock()
         cpu = time.process_time()
-        if await self._pass(now):
-            self._quiet_until = self._quiet_deadline(now)
+        await self._pass(now)
         self.last_pass_cpu_s = time.process_time() - cpu
 
     async def _pass(self, now: float) -> bool:
-        """One pass; whether it did all it had to (a pass after one that did not is never
-        skipped: what it left undone is asked again)."""
-        views = self.build_views(now)
+        """One pass over the models marked for it; whether it did all it had to (what it left
+        undone is marked again)."""
+        self._read_changes(now)
+        chosen = self.marks.take(now)
+        before = dict(self.decisions) if self._verify_skips and chosen is not None else None
+        try:
+            complete = await self._reconcile_and_act(now, None if before is not None else chosen)
+        finally:
+            if before is not None and chosen is not None:
+                # The suite's check: every model the marks left out decides what stood.
+                skipped = set(before) - chosen
+                record_differences(
+                    self._verify_skips,
+                    {n: before[n] for n in skipped},
+                    {n: self.decisions[n] for n in skipped if n in self.decisions},
+                )
+        if not complete:
+            self.marks.give_back(chosen)
+        return complete
+
+    async def _reconcile_and_act(self, now: float, chosen: set[str] | None) -> bool:
+        views = self.build_views(now, chosen)
+        full = chosen is None
         decisions = reconcile_each(views, self.config.max_start_failures, self.decisions, self.broken)
-        self.broken.keep_only(views)
-        parks = {
-            (a.alloc_id, a.task, a.failures)
-            for d in decisions.values()
-            for a in d.actions
-            if isinstance(a, Park)
-        }
-        parks |= {
-            (s.alloc_id, s.task, s.failures)
-            for d in decisions.values()
-            if d.degraded is not None
-            for s in d.degraded.slots[:1]
-        }
         for name, d in decisions.items():
             decisions[name] = await self.engine_errors.telling(d, views[name])
-        self.engine_errors.keep_only(parks)
         # What the load asked for this pass is what a later, lower load must outlast (once
         # Nomad's jobs are read: before, the first sight of each count is still to come).
-        if self.jobs.snapshot is not None:
-            for name, d in decisions.items():
+        jobs_read = self.jobs.snapshot is not None
+        for name, d in decisions.items():
+            if jobs_read:
                 self.load.record(name, views[name].now, d.recommendation)
-        self.memory.keep_only_defined()
-        self.views, self.decisions = views, decisions
-        self.eval_feed.needed = jobs_needing_evaluations(views.values())
-        self.replicas = self._build_replicas(views)
+            view = views[name]
+            due = min(
+                model_quiet_until(view, d, now), self.load.changes_at(name, view.model.scale_down_delay_s)
+            )
+            self.marks.due_at(name, due)
+        gone = set() if full else {n for n in chosen or () if n not in views}
+        if full or gone:
+            self.broken.keep_only(self.models)
+            self.memory.keep_only_defined()
+        self.standing.forget(gone)
+        self.standing.merge(views, decisions, full=full)
+        self.engine_errors.keep_only(self.standing.parks())
+        self.eval_feed.needed = self.standing.evaluations_needed()
+        readings = self.memory.readings
+        self.standing.update_replicas(
+            views,
+            readings.engines_by_model,
+            readings.allocs_by_job,
+            self.clock(),
+            node_fabrics(self.nodes.snapshot.data if self.nodes.snapshot else ()),
+        )
         self.passes += 1
+        self.marks.model_passes += len(views)
         if not self.leadership.is_leader:
             return True
         if not self.ready_to_act():
@@ -385,7 +423,7 @@ class Watcher:
         complete = True
         async with self._apply_lock:
             for name, d in decisions.items():
-                self._log_placement(d)
+                self.warnings.log_decision(d.model, d.state)
                 if not self.leadership.is_leader:
                     return False
                 try:
@@ -405,7 +443,8 @@ class Watcher:
                 # next leader-only step, past the moment this watcher may still act.
                 async with asyncio.timeout(max(0.1, self.leadership.lease_left())):
                     await self.health.sync(
-                        {n: Entry(d.health, d.health_output) for n, d in decisions.items()}
+                        {n: Entry(d.health, d.health_output) for n, d in decisions.items()},
+                        gone=None if full else gone,
                     )
             except (ConsulError, TimeoutError) as exc:
                 self.health.forget()
@@ -413,58 +452,21 @@ class Watcher:
                 return False
         return complete
 
-    def _quiet_deadline(self, now: float) -> float:
-        """Until when a pass with nothing new to read would decide what this one did."""
-        kv = self.kv.snapshot.data if self.kv.snapshot else {}
-        return min(
-            [
-                quiet_until(self.views, self.decisions, now),
-                routers_change_at(kv, now),
-                self.warnings.next_due(),
-                *(self.load.changes_at(n, v.model.scale_down_delay_s) for n, v in self.views.items()),
-            ]
-        )
+    @property
+    def _quiet_until(self) -> float:
+        """Until when a tick with nothing new is skipped (-inf: a model is marked already)."""
+        return -math.inf if self.marks.everything or self.marks.models else self.marks.next_due()
 
     async def _quiet_tick(self) -> None:
-        """A tick with nothing new: the last pass's decisions stand. The load history is told
-        they were asked for again now, as a pass would have recorded, so that a lower figure
-        after the quiet still has to hold for the scale-down delay."""
+        """A tick with no model to reconcile: every decision stands. The suite's check runs a
+        pass anyway, to show that none would have changed."""
         if self._verify_skips:
-            before = dict(self.decisions)
             await self.run_pass()
-            record_differences(self._verify_skips, before, self.decisions)
             return
-        now = self.clock()
-        if self.jobs.snapshot is not None:
-            for name, d in self.decisions.items():
-                self.load.record(name, now, d.recommendation)
         self.skipped_passes += 1
         if self.leadership.is_leader and self.ready_to_act():
             async with self._apply_lock:
                 await self._forget_gone_routers()
-
-    def _build_replicas(self, views: Mapping[str, ModelView]) -> list[dict[str, Any]]:
-        replicas, self._replica_since = list_replicas(
-            views,
-            self.engines.snapshot.data if self.engines.snapshot else (),
-            self.allocs.snapshot.data if self.allocs.snapshot else (),
-            self._replica_since,
-            self.clock(),
-            node_fabrics(self.nodes.snapshot.data if self.nodes.snapshot else ()),
-        )
-        return replicas
-
-    def _log_placement(self, d: Decision) -> None:
-        if d.state.unplaceable:
-            if self.warnings.should_log(d.model, d.state.placement_reason):
-                log.warning(
-                    "event=unplaceable model=%s eval=%s reason=%r",
-                    d.model,
-                    d.state.placement_eval,
-                    d.state.placement_reason,
-                )
-        else:
-            self.warnings.clear(d.model)
 
     # Admin operations
 
@@ -480,21 +482,10 @@ class Watcher:
                 views = self.build_views()
                 if model not in views:
                     raise UnknownModel(model)
-                view = await self._with_stored_state(views[model])
+                view = await with_stored_state(self.consul, views[model])
                 state = retried(view)
                 if await self.states.write(model, state, view.state_index):
                     log.info("event=retried model=%s", model)
                     self.wake("retry")
                     return state
         raise ConsulUnavailable(f"could not write {state_key(model)}; try again")
-
-    async def _with_stored_state(self, view: ModelView) -> ModelView:
-        key = state_key(view.model.name)
-        _, entries = await self.consul.kv_get(key)
-        if not entries:
-            return dataclasses.replace(view, state=None, state_index=0)
-        try:
-            state: ModelState | None = parse_state(key, entries[0].value)
-        except MalformedState:
-            state = None  # replaced whole, as a pass replaces it
-        return dataclasses.replace(view, state=state, state_index=entries[0].modify_index)

@@ -37,23 +37,27 @@ VERIFY_ENV = "LLMGW_VERIFY_SKIPPED_PASSES"
 def quiet_until(views: Mapping[str, ModelView], decisions: Mapping[str, Decision], now: float) -> float:
     """Until when a pass with nothing new to read decides what `decisions` say, by the views'
     own deadlines; at or before `now`: the next pass is not to be skipped."""
-    until = now + FULL_PASS_EVERY_S
-    for name, d in decisions.items():
-        view = views[name]
-        if d.actions or view.in_flight > 0 or d.desired_reason == "step":
-            return -inf
-        m = view.model
-        deadlines = []
-        if view.activity is not None:
-            # `asked_for` turns false here.
-            deadlines.append(view.activity + m.idle_timeout_s + view.activity_grace_s)
-        if view.since_step_s < view.step_interval_s:
-            deadlines.append(now - view.since_step_s + view.step_interval_s)
-        if view.load_held is None and view.scaled_at is not None:
-            # A view without load history holds a count it just saw (`desired_for`).
-            deadlines.append(view.scaled_at + m.scale_down_delay_s)
-        until = min([until, *(t for t in deadlines if t > now)])
-    return until
+    return min(
+        [now + FULL_PASS_EVERY_S, *(model_quiet_until(views[n], d, now) for n, d in decisions.items())]
+    )
+
+
+def model_quiet_until(view: ModelView, d: Decision, now: float) -> float:
+    """Until when one model's decision stands with nothing new to read: -inf when the next pass
+    must decide it again, inf when no deadline of its own moves it."""
+    if d.actions or view.in_flight > 0 or d.desired_reason == "step":
+        return -inf
+    m = view.model
+    deadlines = []
+    if view.activity is not None:
+        # `asked_for` turns false here.
+        deadlines.append(view.activity + m.idle_timeout_s + view.activity_grace_s)
+    if view.since_step_s < view.step_interval_s:
+        deadlines.append(now - view.since_step_s + view.step_interval_s)
+    if view.load_held is None and view.scaled_at is not None:
+        # A view without load history holds a count it just saw (`desired_for`).
+        deadlines.append(view.scaled_at + m.scale_down_delay_s)
+    return min((t for t in deadlines if t > now), default=inf)
 
 
 def verify_file() -> str:

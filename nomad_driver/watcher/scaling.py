@@ -165,6 +165,7 @@ class _ModelLoad:
     # Recommendations of the last scale_down_delay, as a sliding maximum: each is kept only
     # while no later one is at least as high.
     peaks: deque[tuple[float, int]] = field(default_factory=deque)
+    asked: int | None = None  # the latest recommendation recorded
 
 
 @dataclass(frozen=True)
@@ -205,6 +206,15 @@ class LoadHistory:
         while seen.peaks and seen.peaks[-1][1] <= recommendation:
             seen.peaks.pop()
         seen.peaks.append((now, recommendation))
+        seen.asked = recommendation
+
+    def stood_until(self, model: str, now: float) -> None:
+        """The latest recommendation was asked for until `now`: a model whose decision stood
+        (no pass reconciled it, nothing changed) asked for the same all along, and a lower
+        figure now must outlast the scale-down delay from here, not from its last pass."""
+        seen = self._models.get(model)
+        if seen is not None and seen.asked is not None:
+            self.record(model, now, seen.asked)
 
     def changes_at(self, model: str, delay_s: float) -> float:
         """When `observe` would next answer otherwise with the same in flight (inf: not while it

@@ -11,7 +11,7 @@ start each passing check vouches for. `build` makes every defined model's `Model
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from math import inf
 from typing import Any
 
@@ -30,8 +30,8 @@ from nomad_driver.state import (
 )
 from nomad_driver.watcher.decisions import ModelView, PreviousJob
 from nomad_driver.watcher.fenced import FencedStates
-from nomad_driver.watcher.in_flight import asks, requests_in_flight
 from nomad_driver.watcher.job_facts import job_def_hash, job_group
+from nomad_driver.watcher.readings import Readings
 from nomad_driver.watcher.replicas import busy_floor_of
 from nomad_driver.watcher.rollout import choose_jobs
 from nomad_driver.watcher.scaling import Load, LoadHistory
@@ -98,6 +98,8 @@ class ViewBuilder:
         self.last_in_flight: dict[str, float] = {}
         # Which start each allocation's passing check vouches for (`sightings.py`).
         self.sightings = StartSightings()
+        # The readings indexed per model, each made again only when it changed (`readings.py`).
+        self.readings = Readings(activity_interval_s)
         self.malformed_reported: set[tuple[str, int]] = set()
 
     def keep_only_defined(self) -> None:
@@ -135,35 +137,32 @@ class ViewBuilder:
         engines: Sequence[Mapping[str, Any]],
         nodes: Sequence[Mapping[str, Any]] | None,
         jobs_read: bool = True,
+        only: Collection[str] | None = None,
     ) -> dict[str, ModelView]:
         """Every defined model's view from one pass's readings (`allocs`/`nodes` None: not
         read yet, which multi-node rooms wait for). Before Nomad's jobs are read
         (`jobs_read` False) every model looks absent: its views are built, but nothing is
-        remembered as first seen, or a watcher's start would seed its holds with no replicas."""
+        remembered as first seen, or a watcher's start would seed its holds with no replicas.
+        `only`: the models to build (None: every one)."""
         if kv_index is not None:
             self.states.settle(kv_index)
         self.definitions.load(kv, kv_index)
-        allocs_by_job: dict[str, list[dict[str, Any]]] = {}
-        allocs_by_id: dict[str, dict[str, Any]] = {}
-        for a in allocs or ():
-            allocs_by_job.setdefault(str(a.get("JobID")), []).append(a)
-            allocs_by_id[str(a.get("ID"))] = a
-        evals_by_job: dict[str, list[dict[str, Any]]] = {}
-        for e in evals:
-            evals_by_job.setdefault(str(e.get("JobID")), []).append(e)
+        readings = self.readings
+        readings.index(kv, now, allocs, evals)
+        allocs_by_job, allocs_by_id = readings.allocs_by_job, readings.allocs_by_id
+        evals_by_job = readings.evals_by_job
 
         # The starts passing their check now: a fact of these snapshots, not a memory. Which
         # start was ever healthy outlives it only through the model's stored count (baseline).
-        passing_now = self.sightings.passing(
-            engines,
-            allocs_by_id,
-        )
+        passing_now = readings.passing(self.sightings, engines)
         ready, healthy = passing_now.ready, passing_now.healthy
 
-        in_flight, busy, grace = requests_in_flight(kv, now, self.activity_interval_s)
-        asked = asks(kv, now)
+        in_flight, busy, grace = readings.in_flight, readings.busy, readings.grace
+        asked = readings.asked
+        defined = self.definitions.models
+        chosen = defined.items() if only is None else ((n, defined[n]) for n in sorted(only) if n in defined)
         views: dict[str, ModelView] = {}
-        for name, model in self.definitions.models.items():
+        for name, model in chosen:
             job_id, previous_id = choose_jobs(model, jobs, passing_now.ready_by_job)
             job = jobs.get(job_id)
             previous = None
@@ -204,6 +203,9 @@ class ViewBuilder:
             seen_busy = self.last_in_flight.get(name)
             if seen_busy is not None:
                 activity = seen_busy if activity is None else max(activity, seen_busy)
+            if jobs_read:
+                # Its last decision stood until now, which is what it asked for until now.
+                self.load.stood_until(name, now)
             load = (
                 self.load.observe(name, now, requests, count, model.scale_down_delay_s)
                 if jobs_read
