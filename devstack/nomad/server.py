@@ -21,6 +21,7 @@ from devstack.nomad.clock import Clock
 from devstack.nomad.deployment_writes import DeploymentWrites
 from devstack.nomad.events import EventBroker
 from devstack.nomad.gc import Collected, GarbageCollector, GCConfig
+from devstack.nomad.getter import NODE_CONFIG_KEY
 from devstack.nomad.job_writes import JobWrites
 from devstack.nomad.node_writes import NodeWrites
 from devstack.nomad.operator import SchedulerConfiguration
@@ -45,6 +46,9 @@ class NomadServer(JobWrites, NodeWrites, DeploymentWrites):
         self.events = EventBroker(self.store)
         self.data_dir = data_dir
         self.consul_url = consul_url
+        # A node's client `artifact` block travels with its fleet entry; it is the client's, so it
+        # leaves the node's JSON here and goes to the client in start().
+        self._artifact_configs = {str(n["ID"]): n.pop(NODE_CONFIG_KEY) for n in nodes if NODE_CONFIG_KEY in n}
         self._initial_nodes = nodes
         self.client: ClientRunner | None = None
         self.health: deployments.HealthWatcher | None = None
@@ -71,6 +75,7 @@ class NomadServer(JobWrites, NodeWrites, DeploymentWrites):
             self.consul_url,
             on_alloc_update=self.scheduler.on_alloc_update,
         )
+        self.client.artifact_configs.update(self._artifact_configs)
         self.scheduler.client = self.client
         registry = self.client.registry
         self.health = deployments.HealthWatcher(

@@ -20,6 +20,8 @@ from devstack.nomad.clock import Clock
 from devstack.nomad.consul import Registration, ServiceRegistry, build_registration
 from devstack.nomad.consul_template import NO_IDENTITY_TOKEN, ConsulLookupError, ServiceWatch
 from devstack.nomad.drivers import StartRequest, TaskHandle, sleep_unless, start_task
+from devstack.nomad.getter import DEFAULT as DEFAULT_ARTIFACT_CONFIG
+from devstack.nomad.getter import ArtifactConfig
 from devstack.nomad.nodes import simulated_gpus_env
 from devstack.nomad.taskenv import AllocPaths, TaskEnv, build_task_env, interpolate
 
@@ -35,6 +37,8 @@ class RunsServices(Protocol):
     def registry(self) -> ServiceRegistry: ...
     @property
     def variables(self) -> dict[tuple[str, str], Json]: ...
+    @property
+    def artifact_configs(self) -> dict[str, ArtifactConfig]: ...
 
     def spawn(self, coro: Any) -> None: ...
 
@@ -252,9 +256,11 @@ class TaskRunner:
         artifacts = self.task.get("Artifacts") or []
         if artifacts and not self._artifacts_done:
             self.emit(self._event(ts.TASK_DOWNLOADING_ARTIFACTS))
+            node_id = str((self.ar.node or {}).get("ID") or "")
+            config = self.ar.client.artifact_configs.get(node_id, DEFAULT_ARTIFACT_CONFIG)
             for artifact in artifacts:
                 try:
-                    await asyncio.to_thread(fetch_artifact, artifact, env, task_dir, paths.root)
+                    await asyncio.to_thread(fetch_artifact, artifact, env, task_dir, paths.root, config)
                 except ArtifactError as exc:
                     event = ts.set_download_error(self._event(ts.TASK_ARTIFACT_DOWNLOAD_FAILED), str(exc))
                     # Nomad marks artifact failures recoverable: they count against the policy.
