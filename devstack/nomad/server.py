@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from devstack.nomad import deployments, namespaces
+from devstack.nomad.acl import AclState
 from devstack.nomad.answers import NAMESPACE, ApiError
 from devstack.nomad.client import ClientRunner
 from devstack.nomad.clock import Clock
@@ -51,6 +52,7 @@ class NomadServer(JobWrites, NodeWrites, DeploymentWrites):
         self._artifact_configs = {str(n["ID"]): n.pop(NODE_CONFIG_KEY) for n in nodes if NODE_CONFIG_KEY in n}
         self._initial_nodes = nodes
         self.client: ClientRunner | None = None
+        self.acl: AclState | None = None  # set by acl_http.enable
         self.health: deployments.HealthWatcher | None = None
         # Dynamic node metadata per node (`/v1/client/metadata`), nulls included, as a client
         # keeps it in its state DB; it survives a node being replaced through /v1/devstack/node.
@@ -76,6 +78,7 @@ class NomadServer(JobWrites, NodeWrites, DeploymentWrites):
             on_alloc_update=self.scheduler.on_alloc_update,
         )
         self.client.artifact_configs.update(self._artifact_configs)
+        self.client.acl = self.acl
         self.scheduler.client = self.client
         registry = self.client.registry
         self.health = deployments.HealthWatcher(

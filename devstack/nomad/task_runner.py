@@ -15,6 +15,7 @@ import httpx
 
 from devstack.nomad import shutdown_delay
 from devstack.nomad import taskstate as ts
+from devstack.nomad.acl import AclState, Claim
 from devstack.nomad.artifacts import ArtifactError, TemplateError, fetch_artifact, render_templates
 from devstack.nomad.clock import Clock
 from devstack.nomad.consul import Registration, ServiceRegistry, build_registration
@@ -23,6 +24,7 @@ from devstack.nomad.drivers import StartRequest, TaskHandle, sleep_unless, start
 from devstack.nomad.getter import DEFAULT as DEFAULT_ARTIFACT_CONFIG
 from devstack.nomad.getter import ArtifactConfig
 from devstack.nomad.nodes import simulated_gpus_env
+from devstack.nomad.nomad_var_template import VarDenied
 from devstack.nomad.taskenv import AllocPaths, TaskEnv, build_task_env, interpolate
 
 Json = dict[str, Any]
@@ -39,6 +41,8 @@ class RunsServices(Protocol):
     def variables(self) -> dict[tuple[str, str], Json]: ...
     @property
     def artifact_configs(self) -> dict[str, ArtifactConfig]: ...
+    @property
+    def acl(self) -> AclState | None: ...
 
     def spawn(self, coro: Any) -> None: ...
 
@@ -293,8 +297,17 @@ class TaskRunner:
         ]
 
     def _variable(self, path: str) -> dict[str, str] | None:
-        """A Nomad Variable of the job's namespace, as a template reads it."""
+        """A Nomad Variable of the job's namespace, as a template reads it: with ACLs on, through
+        the task's workload identity (acl.py), refused with VarDenied where it may not read."""
         namespace = str(self.ar.job.get("Namespace") or "default")
+        acl = self.ar.client.acl
+        if acl is not None:
+            # The identity names the job's ID (a periodic or dispatched child's parent's; llmgw
+            # has neither), the group and the task.
+            job_id = str(self.ar.job.get("ParentID") or self.ar.job.get("ID") or "")
+            claim = Claim(namespace, job_id, str(self.ar.group.get("Name") or ""), self.name)
+            if not acl.workload_acl(claim).allow_variable(namespace, path, "read", claim):
+                raise VarDenied(path, namespace)
         var = self.ar.client.variables.get((namespace, path))
         return dict(var.get("Items") or {}) if var is not None else None
 
