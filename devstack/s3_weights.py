@@ -25,7 +25,9 @@ from devstack.gguf_tiny import write_tiny_gguf
 from devstack.ports import free_port
 from nomad_driver.fetch.render import HOST_VOLUME
 from nomad_driver.node_meta import MODELS_DIR_KEY
+from nomad_driver.spec import job_id_for
 from nomad_driver.variables import source_variable_path
+from nomad_driver.watcher.rollout import SECOND_JOB_SUFFIX
 
 if TYPE_CHECKING:
     from devstack.stack import Stack
@@ -60,10 +62,10 @@ def set_up(stack: Stack) -> S3Weights:
     """Before Nomad starts: moto with the weights, llmgw beside the engines, a cache per node
     and the model in the models file. The keys go into Nomad once it runs (`put_keys`)."""
     o = stack.options
-    if o.acl or o.nomad == "real" or (o.nomad == "auto" and nomad_agent.find_nomad()):
-        # The fetch reads its Variable with the job's workload identity, which needs a policy the
-        # dev stack does not write yet; a real agent would need the host volumes in its config.
-        raise RuntimeError("--s3 runs with the Nomad stand-in and without --acl for now")
+    if o.nomad == "real" or (o.nomad == "auto" and nomad_agent.find_nomad()):
+        # A real agent would need the host volumes in its client config, which the stack does
+        # not write.
+        raise RuntimeError("--s3 runs with the Nomad stand-in for now")
     s3 = start(stack.models_dir, stack.logs / "moto.log")
     stack._track("moto", s3.pid, s3.log)
     install_llmgw(stack.engines_dir)
@@ -157,3 +159,24 @@ def put_keys(nomad_url: str, s3: S3Weights, token: str | None, ca: Path | None) 
     )
     if resp.status_code != 200:
         raise RuntimeError(f"writing the Variable {path}: {resp.status_code} {resp.text.strip()}")
+    if token:
+        attach_source_policies(nomad_url, token, ca)
+
+
+def attach_source_policies(nomad_url: str, token: str, ca: Path | None) -> None:
+    """With ACLs on, the fetch's template reads the Variable with its job's workload identity,
+    and `llmgw/sources/...` is none of the job's own paths: attach read on it to each of the
+    model's two job IDs (`nomad acl policy apply -job`), as docs/models.md has operators do."""
+    path = source_variable_path(MODEL)
+    rules = f'namespace "default" {{\n  variables {{\n    path "{path}" {{\n      capabilities = ["read"]\n    }}\n  }}\n}}\n'
+    first, second = job_id_for(MODEL), job_id_for(MODEL) + SECOND_JOB_SUFFIX
+    for name, job in ((f"llmgw-source-{MODEL}", first), (f"llmgw-source-{MODEL}-b", second)):
+        resp = httpx.put(
+            f"{nomad_url}/v1/acl/policy/{name}",
+            json={"Name": name, "Rules": rules, "JobACL": {"Namespace": "default", "JobID": job}},
+            headers={"X-Nomad-Token": token},
+            verify=str(ca) if ca else True,
+            timeout=10,
+        )
+        if resp.status_code != 200:
+            raise RuntimeError(f"writing the ACL policy {name}: {resp.status_code} {resp.text.strip()}")

@@ -3,9 +3,12 @@
 Sources (hashicorp/nomad 2.0.6-dev, commit aa026cc): acl/policy.go (the rule language, `expandNamespacePolicy`, the capability names and the
 valid policies), acl/acl.go (how several policies merge: namespace capabilities add up, `deny`
 wins; node/agent/operator take the strongest; a namespace rule matches exactly before the closest
-glob), nomad/structs/structs.go (`ACLPolicy`, `ACLPolicyListStub`, `ACLToken` and their JSON, the
+glob; `matchingVariablesCapabilitySet`: a Variable path matches a policy's exact path, then a
+workload's own `nomad/jobs/<job>[/<group>[/<task>]]`, then the closest glob), nomad/auth/auth.go
+(`policiesForClaims`: a workload identity gets the policies attached to its job, group or task
+with `-job`/`-group`/`-task`, i.e. `JobACL`), nomad/structs/structs.go (`ACLPolicy`, `ACLPolicyListStub`, `ACLToken` and their JSON, the
 policy name rule) and nomad/structs/errors.go (the error texts). The stand-in understands what
-llmgw's policies use; a rule it does not (variables, host volumes, plugins, quota) is refused at
+llmgw's policies use; a rule it does not (host volumes, plugins, quota) is refused at
 write time, so a policy never quietly means less here than on a real cluster.
 """
 
@@ -26,6 +29,9 @@ from devstack.nomad.encode import rfc3339
 Json = dict[str, Any]
 
 ERR_PERMISSION_DENIED = "Permission denied"  # structs.ErrPermissionDenied
+VARIABLE_CAPABILITIES = {"write", "read", "list", "destroy", "deny"}  # acl/policy.go
+# acl.go workloadVariablesCapabilitySet: what a workload may do with its own paths.
+_WORKLOAD_VARIABLE_CAPS = {"read", "list"}
 ERR_TOKEN_NOT_FOUND = "ACL token not found"  # structs.ErrTokenNotFound
 
 POLICY_DENY, POLICY_READ, POLICY_WRITE, POLICY_SCALE = "deny", "read", "write", "scale"
@@ -130,6 +136,8 @@ class Rules:
 
     namespaces: dict[str, set[str]] = field(default_factory=dict)
     simple: dict[str, str] = field(default_factory=dict)
+    # (namespace, path), either a glob, -> Variable capabilities
+    variables: dict[tuple[str, str], set[str]] = field(default_factory=dict)
 
 
 def _text(value: Any) -> str:
@@ -149,6 +157,8 @@ def parse_rules(rules: str) -> Rules:
             for item in items:
                 for label, block in item.items():
                     name = _text(label)
+                    for path, caps in _variable_paths(name, block.pop("variables", None)).items():
+                        parsed.variables.setdefault((name, path), set()).update(caps)
                     parsed.namespaces.setdefault(name, set()).update(_namespace_caps(name, block))
         elif key in _SIMPLE_BLOCKS:
             for block in items:
@@ -164,15 +174,33 @@ def parse_rules(rules: str) -> Rules:
             raise PolicyError(f"the stand-in does not implement {key!r} rules; use a real Nomad for them")
         else:
             raise PolicyError(f"Invalid or duplicate policy keys: [{key}]")
-    if not parsed.namespaces and not parsed.simple:
+    if not parsed.namespaces and not parsed.simple and not parsed.variables:
         raise PolicyError(f"Invalid policy: {rules}")  # Parse's `p.IsEmpty()`
     return parsed
+
+
+def _variable_paths(namespace: str, blocks: Any) -> dict[str, set[str]]:
+    """`variables { path "P" { capabilities = [...] } }`; acl/policy.go expandVariablesCapabilities:
+    `deny` alone wins, `read` brings `list`."""
+    paths: dict[str, set[str]] = {}
+    for block in blocks or []:
+        for item in block.get("path", []):
+            for label, body in item.items():
+                caps = {_text(c) for c in body.get("capabilities", []) or []}
+                bad = sorted(caps - VARIABLE_CAPABILITIES)
+                if bad:
+                    raise PolicyError(f"Invalid variable capabilities {bad} in namespace {namespace!r}")
+                if "deny" in caps:
+                    caps = {"deny"}
+                elif "read" in caps:
+                    caps.add("list")
+                paths[_text(label)] = caps
+    return paths
 
 
 def _namespace_caps(name: str, block: Json) -> set[str]:
     extra = set(block) - {"policy", "capabilities", "__is_block__"}
     if extra:
-        # `variables` paths are real Nomad rules the stand-in does not model yet.
         raise PolicyError(f"the stand-in does not implement {sorted(extra)} in namespace {name!r}")
     policy = _text(block.get("policy", ""))
     if policy and policy not in (POLICY_DENY, POLICY_READ, POLICY_WRITE, POLICY_SCALE):
@@ -192,6 +220,20 @@ def _stronger(a: str, b: str) -> str:
     return a if _RANK[a] >= _RANK[b] else b
 
 
+@dataclass(frozen=True)
+class Claim:
+    """acl.ACLClaim: the workload a task's identity names."""
+
+    namespace: str
+    job: str
+    group: str
+    task: str
+
+    def own_paths(self) -> tuple[str, ...]:
+        job = f"nomad/jobs/{self.job}"
+        return ("nomad/jobs", job, f"{job}/{self.group}", f"{job}/{self.group}/{self.task}")
+
+
 class ACL:
     """acl.ACL: the merged rules of a token's policies; a management token may do anything."""
 
@@ -199,9 +241,12 @@ class ACL:
         self.management = management
         self.namespaces: dict[str, set[str]] = {}
         self.simple: dict[str, str] = {}
+        self.variables: dict[tuple[str, str], set[str]] = {}
         for rules in policies:
             for name, caps in rules.namespaces.items():
                 self.namespaces.setdefault(name, set()).update(caps)
+            for where, caps in rules.variables.items():
+                self.variables.setdefault(where, set()).update(caps)
             for key, policy in rules.simple.items():
                 self.simple[key] = _stronger(self.simple.get(key, ""), policy)
 
@@ -234,6 +279,25 @@ class ACL:
             return any(caps and "deny" not in caps for caps in self.namespaces.values())
         caps = self._caps(namespace)
         return bool(caps) and "deny" not in caps
+
+    def allow_variable(self, namespace: str, path: str, op: str, claim: Claim | None = None) -> bool:
+        """AllowVariableOperation: the exact path, the workload's own paths, the closest glob."""
+        if self.management:
+            return True
+        caps = self.variables.get((namespace, path))
+        if caps is None and claim is not None and claim.namespace == namespace and path in claim.own_paths():
+            caps = _WORKLOAD_VARIABLE_CAPS
+        if caps is None:
+            text = f"{namespace}\x00{path}"
+            best: tuple[int, set[str]] | None = None
+            for (ns, pattern), found in self.variables.items():
+                glob = f"{ns}\x00{pattern}"
+                if "*" in glob and _glob(glob, text):
+                    score = len(text) - len(glob.replace("*", ""))
+                    if best is None or score < best[0]:
+                        best = (score, found)
+            caps = best[1] if best else set()
+        return _check(caps, op)
 
     def allow(self, block: str, level: str) -> bool:
         """AllowNodeRead/Write, AllowAgentRead/Write, AllowOperatorRead/Write."""
@@ -348,3 +412,20 @@ class AclState:
             return token, ACL([], management=True)
         # A policy deleted after the token was made simply grants nothing, as in Nomad.
         return token, ACL([self.rules[p] for p in token["Policies"] or [] if p in self.rules])
+
+    def workload_acl(self, claim: Claim) -> ACL:
+        """The ACL of a task's workload identity (auth.go policiesForClaims): the policies whose
+        JobACL names its job (and its group, and its task, where they name one), and those
+        attached to its whole namespace."""
+        rules = []
+        for name, policy in self.policies.items():
+            job_acl = policy.get("JobACL") or {}
+            if not job_acl or (job_acl.get("Namespace") or "default") != claim.namespace:
+                continue
+            job, group, task = (str(job_acl.get(k) or "") for k in ("JobID", "Group", "Task"))
+            if job and job != claim.job:
+                continue
+            if (group and group != claim.group) or (task and task != claim.task):
+                continue
+            rules.append(self.rules[name])
+        return ACL(rules)

@@ -243,7 +243,11 @@ async def acl_token_self(request: web.Request) -> web.StreamResponse:
 
 def enable(app: web.Application, bootstrap_secret: str) -> None:
     """Turn ACLs on: `bootstrap_secret` is the management token, as `nomad acl bootstrap` gives."""
-    app[ACL_KEY] = AclState(app[SERVER_KEY].store, bootstrap_secret)
+    app[ACL_KEY] = state = AclState(app[SERVER_KEY].store, bootstrap_secret)
+    server = app[SERVER_KEY]
+    server.acl = state
+    if server.client is not None:
+        server.client.acl = state
     app.middlewares.append(acl_middleware)  # inside errors_middleware, which renders its 403s
     app.router.add_route("*", "/v1/acl/policies", acl_policies)
     app.router.add_route("*", "/v1/acl/policy/{name}", acl_policy)

@@ -1,10 +1,9 @@
 """The prestart work that fills a task directory: `artifact` and `template` blocks.
 
-Artifacts are fetched only from local sources (`file://` URLs or absolute paths): nothing on
-these machines may reach out, and a model file the test wrote is what llmgw's `file://`
-sources point at. go-getter's modes are kept: `file` copies to exactly the destination, `dir`
-copies a directory's contents into it, `any` puts a file under the destination directory by its
-own name and unpacks archives.
+Artifacts go through the client's sandbox as Nomad runs it (getter.py: its environment, its
+timeouts and size cap, its getters). go-getter's modes are kept: `file` puts the file at exactly
+the destination, `dir` copies a directory's contents into it, `any` puts a file under the
+destination directory by its own name and unpacks archives.
 
 Templates support what a job of llmgw's needs and no more: plain text and `{{ env "NAME" }}`,
 written to `DestPath`, or turned into environment variables with `Envvars`. Anything else in
@@ -13,15 +12,27 @@ written to `DestPath`, or turned into environment variables with `Envvars`. Anyt
 
 from __future__ import annotations
 
+import os
+import posixpath
 import re
 import shutil
 import tarfile
 import zipfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
-from urllib.parse import unquote, urlparse
+from urllib.parse import unquote, urlencode, urlparse
 
 from devstack.nomad.consul_template import ServiceTemplateError, lookups, render_services
+from devstack.nomad.getter import (
+    DEFAULT,
+    ArtifactConfig,
+    GetterError,
+    forced_getter,
+    get_http,
+    get_s3,
+    sandbox_environment,
+)
 from devstack.nomad.nomad_var_template import Lookup, VarTemplateError, render_nomad_vars, uses_nomad_vars
 from devstack.nomad.taskenv import TaskEnv
 
@@ -48,56 +59,102 @@ def _inside(base: Path, path: Path) -> bool:
         return False
 
 
-def _local_source(source: str) -> Path:
-    parsed = urlparse(source)
-    if parsed.scheme == "file":
-        return Path(unquote(parsed.netloc + parsed.path))
-    if parsed.scheme == "" and source.startswith("/"):
-        return Path(source)
-    raise ArtifactError(
-        f"unsupported artifact source scheme {parsed.scheme or source!r}: the stand-in fetches only "
-        "file:// sources and absolute paths"
-    )
+def _local_source(url: str) -> Path:
+    parsed = urlparse(url)
+    return Path(unquote(parsed.netloc + parsed.path))
 
 
-def fetch_artifact(artifact: Json, env: TaskEnv, task_dir: Path, alloc_root: Path) -> Path:
-    """Copy one artifact into the task dir; returns the destination. Errors carry the message
-    Nomad's artifact hook would put in the task event."""
+def fetch_artifact(
+    artifact: Json,
+    env: TaskEnv,
+    task_dir: Path,
+    alloc_root: Path,
+    config: ArtifactConfig = DEFAULT,
+    client_env: Mapping[str, str] | None = None,
+) -> Path:
+    """Fetch one artifact into the task dir, through the client's sandbox (getter.py); returns
+    the destination. Errors carry the message Nomad's artifact hook puts in the task event.
+    `client_env`: the agent's own environment, which is all the sandbox may inherit from."""
     raw_source = str(artifact.get("GetterSource") or "")
-    source_text = env.replace(raw_source)
     try:
-        if not source_text:
+        if not raw_source:
             raise ArtifactError("source must be specified")
-        source = _local_source(source_text)
+        source_text = env.replace(raw_source)
+        options = {k: env.replace(str(v)) for k, v in (artifact.get("GetterOptions") or {}).items()}
+        if options:
+            sep = "&" if "?" in source_text else "?"
+            source_text += sep + urlencode(options)
         dest = task_dir / env.replace(str(artifact.get("RelativeDest") or "local/"))
         if not _inside(alloc_root, dest):
-            raise ArtifactError("destination escapes allocation directory")
+            raise ArtifactError("artifact destination path escapes alloc directory")
         mode = str(artifact.get("GetterMode") or "any")
-        if not source.exists():
-            raise ArtifactError(f"stat {source}: no such file or directory")
-        if mode == "file":
-            if source.is_dir():
-                raise ArtifactError(f"source path is a directory: {source}")
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(source, dest)
-        elif mode == "dir" or source.is_dir():
-            if not source.is_dir():
-                if not _is_archive(source):
-                    raise ArtifactError(f"source path must be a directory: {source}")
-                _unpack(source, dest)
-            else:
-                shutil.copytree(source, dest, dirs_exist_ok=True)
-        elif mode == "any":
-            if _is_archive(source):
-                _unpack(source, dest)
-            else:
-                dest.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(source, dest / source.name)
-        else:
+        if mode not in ("any", "file", "dir"):
             raise ArtifactError(f"invalid artifact mode {mode!r}; must be one of: any, file, dir")
-        return dest
+        getter, url = forced_getter(source_text)
+        if getter == "file" and config.file_getter:
+            _copy_local(_local_source(url), dest, mode)
+            return dest
+        sandbox = sandbox_environment(task_dir, config, os.environ if client_env is None else client_env)
+        headers = {k: env.replace(str(v)) for k, v in (artifact.get("GetterHeaders") or {}).items()}
+        return _get_remote(getter, url, dest, mode, headers, sandbox, config)
+    except GetterError as exc:
+        raise ArtifactError(
+            f"failed to download artifact {_go_quote(raw_source)}: {exc.nomad_text()}"
+        ) from exc
     except (ArtifactError, OSError, tarfile.TarError, zipfile.BadZipFile) as exc:
         raise ArtifactError(f"failed to download artifact {_go_quote(raw_source)}: {exc}") from exc
+
+
+def _get_remote(
+    getter: str,
+    url: str,
+    dest: Path,
+    mode: str,
+    headers: dict[str, str],
+    sandbox: dict[str, str],
+    config: ArtifactConfig,
+) -> Path:
+    if getter not in ("http", "https", "s3"):
+        # params.go client(): git, hg, gcs, s3, http, https, and nothing else. The stand-in
+        # runs no git, hg or gcs getter: they would reach out.
+        if getter in ("git", "hg", "gcs"):
+            raise ArtifactError(f"the Nomad stand-in does not run go-getter's {getter} getter")
+        raise GetterError(f"failed to download artifact: download not supported for scheme '{getter}'")
+    if mode == "dir":
+        raise ArtifactError("the stand-in's http and s3 getters fetch one file (mode file or any)")
+    name = posixpath.basename(urlparse(url).path) or "artifact"
+    target = dest if mode == "file" else (dest / name)
+    if getter == "s3":
+        get_s3(url, sandbox, target, config)
+    else:
+        get_http(url, headers, target, config)
+    if mode == "any" and _is_archive(target):
+        _unpack(target, dest)
+        target.unlink()
+    return dest
+
+
+def _copy_local(source: Path, dest: Path, mode: str) -> None:
+    """The stand-in's file getter (getter.py says why it has one); go-getter's modes kept."""
+    if not source.exists():
+        raise ArtifactError(f"stat {source}: no such file or directory")
+    if mode == "file":
+        if source.is_dir():
+            raise ArtifactError(f"source path is a directory: {source}")
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source, dest)
+    elif mode == "dir" or source.is_dir():
+        if not source.is_dir():
+            if not _is_archive(source):
+                raise ArtifactError(f"source path must be a directory: {source}")
+            _unpack(source, dest)
+        else:
+            shutil.copytree(source, dest, dirs_exist_ok=True)
+    elif _is_archive(source):
+        _unpack(source, dest)
+    else:
+        dest.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source, dest / source.name)
 
 
 def _is_archive(path: Path) -> bool:

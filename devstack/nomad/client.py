@@ -26,8 +26,10 @@ from typing import Any
 
 from devstack.nomad import shutdown_delay
 from devstack.nomad import taskstate as ts
+from devstack.nomad.acl import AclState
 from devstack.nomad.clock import Clock
 from devstack.nomad.consul import Registration, ServiceRegistry, build_registration
+from devstack.nomad.getter import ArtifactConfig
 from devstack.nomad.state import StateStore
 from devstack.nomad.task_runner import TaskRunner
 from devstack.nomad.taskenv import AllocPaths, build_task_env, find_group
@@ -177,6 +179,12 @@ class ClientRunner:
         self.registry = ServiceRegistry(consul_url, clock)
         # Nomad Variables by (namespace, path), the store's own table: what templates read.
         self.variables: dict[tuple[str, str], Json] = store.variables
+        # Each node's client `artifact` block (getter.py), by node ID; a node without one has
+        # Nomad's defaults.
+        self.artifact_configs: dict[str, ArtifactConfig] = {}
+        # The ACL tables once ACLs are on (acl_http.enable): templates read Variables through
+        # each task's workload identity.
+        self.acl: AclState | None = None
         self.on_alloc_update = on_alloc_update
         self.runners: dict[str, AllocRunner] = {}
         self._finished: set[str] = set()

@@ -10,6 +10,8 @@ from typing import Any
 from devstack.nomad.answers import ApiError, write_meta
 from devstack.nomad.encode import duration_ns, rfc3339
 from devstack.nomad.feasible import glob_match
+from devstack.nomad.getter import DEFAULT as DEFAULT_ARTIFACT_CONFIG
+from devstack.nomad.getter import NODE_CONFIG_KEY
 from devstack.nomad.nodes import NodeSpecError, computed_class, node_from_spec
 from devstack.nomad.reconcile import TERMINAL_CLIENT, new_eval
 from devstack.nomad.server_parts import Json, ServerParts
@@ -272,6 +274,9 @@ class NodeWrites(ServerParts):
             node = node_from_spec(spec)
         except NodeSpecError as exc:
             raise ApiError(400, str(exc)) from None
+        artifact_config = node.pop(NODE_CONFIG_KEY, DEFAULT_ARTIFACT_CONFIG)
+        if self.client is not None:
+            self.client.artifact_configs[node["ID"]] = artifact_config
         existing = self.store.nodes.get(node["ID"])
         now = self.clock.now_ns()
         evals: list[Json] = []

@@ -22,6 +22,7 @@ A fleet file is either a list of node entries or `{nodes: [...]}`:
       reserved: {cpu_mhz: 0, memory_mib: 0, disk_mb: 0}
       attributes: {driver.raw_exec: "1"}
       plugins: {docker: {config: {volumes: {enabled: true}}}}   # as a client's plugin "docker" block
+      artifact: {http_read_timeout: 2h}   # the client's artifact block (getter.py)
       meta: {llmgw_gpu_class: h100}
       gpus:
         - model: NVIDIA H100 80GB HBM3
@@ -47,6 +48,7 @@ import yaml
 
 from devstack.nomad.attributes import int_attr, string_attr
 from devstack.nomad.docker import PluginConfigError, plugin_attributes
+from devstack.nomad.getter import ARTIFACT_KEY, NODE_CONFIG_KEY, parse_artifact_config
 
 Json = dict[str, Any]
 
@@ -62,7 +64,7 @@ _NODE_NS = uuid.UUID("6a1f4f8e-3d2b-4c47-9a3e-6c1b4f0e9d21")
 _NODE_KEYS = {
     "name", "datacenter", "node_pool", "node_class", "cpu_mhz", "cpu_cores", "memory_mib", "disk_mb",
     "status", "eligibility", "drain", "reserved", "attributes", "meta", "gpus", "http_addr", "plugins",
-    "host_volumes",
+    "host_volumes", ARTIFACT_KEY,
 }  # fmt: skip
 _GPU_KEYS = {
     "model", "memory_mib", "count", "unhealthy", "lost", "power_w", "bar1_mib", "driver_version",
@@ -417,6 +419,12 @@ def node_from_spec(spec: dict[str, Any]) -> Json:
         "ModifyIndex": 0,
     }
     node["ComputedClass"] = computed_class(node)
+    if spec.get(ARTIFACT_KEY) is not None:
+        # The client's config, not the node's JSON: the server hands it to the client.
+        try:
+            node[NODE_CONFIG_KEY] = parse_artifact_config(spec[ARTIFACT_KEY], where)
+        except ValueError as exc:
+            raise NodeSpecError(str(exc)) from None
     return node
 
 

@@ -13,8 +13,14 @@ The subset llmgw renders and no more, each piece failing loudly when something e
 `{{-` and `-}}` trim the whitespace beside them, as Go's text/template does. A `nomadVar` of a
 Variable that does not exist would make Nomad wait for it; the stand-in cannot wait in a
 prestart hook, so it fails the template with a message that says so (llmgw guards its lookups
-with `nomadVarExists`). What the stand-in leaves out: the ACL check of the workload identity
-(a job reads any Variable of its namespace here).
+with `nomadVarExists`).
+
+With ACLs on, the lookup checks the task's workload identity (acl.py `workload_acl`): a Variable
+it may not read fails the template as Nomad's does since hashicorp/nomad#27269 (api/variables.go
+no longer turns a 403 into "not found", so consul-template's query errors, `nomadVarExists`'s
+too, and after the client's `nomad_retry` the template hook kills the task with "Template
+failed: nomad.var.get(PATH@NAMESPACE.global): Unexpected response code: 403 (Permission
+denied)"). The stand-in fails at once instead of retrying first.
 """
 
 from __future__ import annotations
@@ -36,6 +42,21 @@ Lookup = Callable[[str], dict[str, str] | None]
 
 class VarTemplateError(Exception):
     pass
+
+
+class VarDenied(Exception):
+    """The lookup's answer for a Variable the task's identity may not read."""
+
+    def __init__(self, path: str, namespace: str) -> None:
+        super().__init__(path)
+        self.path, self.namespace = path, namespace
+
+    def template_error(self, blocking: bool) -> VarTemplateError:
+        # consul-template names its dependency nomad.var.get (nomadVarExists) or nomad.var.block.
+        query = "block" if blocking else "get"
+        return VarTemplateError(
+            f"nomad.var.{query}({self.path}@{self.namespace}.global): Unexpected response code: 403 (Permission denied)"
+        )
 
 
 def uses_nomad_vars(text: str) -> bool:
@@ -101,7 +122,10 @@ def render_nomad_vars(text: str, lookup: Lookup, env: dict[str, str]) -> str:
     out: list[str] = []
 
     def need(path: str) -> dict[str, str]:
-        items = lookup(path)
+        try:
+            items = lookup(path)
+        except VarDenied as denied:
+            raise denied.template_error(blocking=True) from None
         if items is None:
             raise VarTemplateError(
                 f'nomadVar "{path}": no such Variable; Nomad would wait for it, the stand-in does not '
@@ -114,7 +138,11 @@ def render_nomad_vars(text: str, lookup: Lookup, env: dict[str, str]) -> str:
             if child.kind == "text":
                 out.append(child.arg[0])
             elif child.kind == "if":
-                if lookup(child.arg[0]) is not None:
+                try:
+                    found = lookup(child.arg[0])
+                except VarDenied as denied:
+                    raise denied.template_error(blocking=False) from None
+                if found is not None:
                     walk(child, dot, scope)
             elif child.kind == "with":
                 items = need(child.arg[0])

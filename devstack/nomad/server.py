@@ -15,12 +15,14 @@ from pathlib import Path
 from typing import Any
 
 from devstack.nomad import deployments, namespaces
+from devstack.nomad.acl import AclState
 from devstack.nomad.answers import NAMESPACE, ApiError
 from devstack.nomad.client import ClientRunner
 from devstack.nomad.clock import Clock
 from devstack.nomad.deployment_writes import DeploymentWrites
 from devstack.nomad.events import EventBroker
 from devstack.nomad.gc import Collected, GarbageCollector, GCConfig
+from devstack.nomad.getter import NODE_CONFIG_KEY
 from devstack.nomad.job_writes import JobWrites
 from devstack.nomad.node_writes import NodeWrites
 from devstack.nomad.operator import SchedulerConfiguration
@@ -45,8 +47,12 @@ class NomadServer(JobWrites, NodeWrites, DeploymentWrites):
         self.events = EventBroker(self.store)
         self.data_dir = data_dir
         self.consul_url = consul_url
+        # A node's client `artifact` block travels with its fleet entry; it is the client's, so it
+        # leaves the node's JSON here and goes to the client in start().
+        self._artifact_configs = {str(n["ID"]): n.pop(NODE_CONFIG_KEY) for n in nodes if NODE_CONFIG_KEY in n}
         self._initial_nodes = nodes
         self.client: ClientRunner | None = None
+        self.acl: AclState | None = None  # set by acl_http.enable
         self.health: deployments.HealthWatcher | None = None
         # Dynamic node metadata per node (`/v1/client/metadata`), nulls included, as a client
         # keeps it in its state DB; it survives a node being replaced through /v1/devstack/node.
@@ -71,6 +77,8 @@ class NomadServer(JobWrites, NodeWrites, DeploymentWrites):
             self.consul_url,
             on_alloc_update=self.scheduler.on_alloc_update,
         )
+        self.client.artifact_configs.update(self._artifact_configs)
+        self.client.acl = self.acl
         self.scheduler.client = self.client
         registry = self.client.registry
         self.health = deployments.HealthWatcher(

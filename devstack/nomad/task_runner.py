@@ -15,12 +15,16 @@ import httpx
 
 from devstack.nomad import shutdown_delay
 from devstack.nomad import taskstate as ts
+from devstack.nomad.acl import AclState, Claim
 from devstack.nomad.artifacts import ArtifactError, TemplateError, fetch_artifact, render_templates
 from devstack.nomad.clock import Clock
 from devstack.nomad.consul import Registration, ServiceRegistry, build_registration
 from devstack.nomad.consul_template import NO_IDENTITY_TOKEN, ConsulLookupError, ServiceWatch
 from devstack.nomad.drivers import StartRequest, TaskHandle, sleep_unless, start_task
+from devstack.nomad.getter import DEFAULT as DEFAULT_ARTIFACT_CONFIG
+from devstack.nomad.getter import ArtifactConfig
 from devstack.nomad.nodes import simulated_gpus_env
+from devstack.nomad.nomad_var_template import VarDenied
 from devstack.nomad.taskenv import AllocPaths, TaskEnv, build_task_env, interpolate
 
 Json = dict[str, Any]
@@ -35,6 +39,10 @@ class RunsServices(Protocol):
     def registry(self) -> ServiceRegistry: ...
     @property
     def variables(self) -> dict[tuple[str, str], Json]: ...
+    @property
+    def artifact_configs(self) -> dict[str, ArtifactConfig]: ...
+    @property
+    def acl(self) -> AclState | None: ...
 
     def spawn(self, coro: Any) -> None: ...
 
@@ -252,9 +260,11 @@ class TaskRunner:
         artifacts = self.task.get("Artifacts") or []
         if artifacts and not self._artifacts_done:
             self.emit(self._event(ts.TASK_DOWNLOADING_ARTIFACTS))
+            node_id = str((self.ar.node or {}).get("ID") or "")
+            config = self.ar.client.artifact_configs.get(node_id, DEFAULT_ARTIFACT_CONFIG)
             for artifact in artifacts:
                 try:
-                    await asyncio.to_thread(fetch_artifact, artifact, env, task_dir, paths.root)
+                    await asyncio.to_thread(fetch_artifact, artifact, env, task_dir, paths.root, config)
                 except ArtifactError as exc:
                     event = ts.set_download_error(self._event(ts.TASK_ARTIFACT_DOWNLOAD_FAILED), str(exc))
                     # Nomad marks artifact failures recoverable: they count against the policy.
@@ -287,8 +297,17 @@ class TaskRunner:
         ]
 
     def _variable(self, path: str) -> dict[str, str] | None:
-        """A Nomad Variable of the job's namespace, as a template reads it."""
+        """A Nomad Variable of the job's namespace, as a template reads it: with ACLs on, through
+        the task's workload identity (acl.py), refused with VarDenied where it may not read."""
         namespace = str(self.ar.job.get("Namespace") or "default")
+        acl = self.ar.client.acl
+        if acl is not None:
+            # The identity names the job's ID (a periodic or dispatched child's parent's; llmgw
+            # has neither), the group and the task.
+            job_id = str(self.ar.job.get("ParentID") or self.ar.job.get("ID") or "")
+            claim = Claim(namespace, job_id, str(self.ar.group.get("Name") or ""), self.name)
+            if not acl.workload_acl(claim).allow_variable(namespace, path, "read", claim):
+                raise VarDenied(path, namespace)
         var = self.ar.client.variables.get((namespace, path))
         return dict(var.get("Items") or {}) if var is not None else None
 

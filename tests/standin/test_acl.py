@@ -140,7 +140,7 @@ def test_a_rule_the_stand_in_does_not_understand_is_refused(standin: StandIn) ->
     for rules in (
         'namespace "default" { policy = "admin" }',
         'namespace "default" { capabilities = ["launch-rockets"] }',
-        'namespace "default" { variables { path "*" { capabilities = ["read"] } } }',
+        'namespace "default" { variables { path "*" { capabilities = ["peek"] } } }',
         'quota { policy = "read" }',
         "this is not hcl {",
     ):
