@@ -250,7 +250,7 @@ async def test_the_router_and_the_watcher_read_the_same_set(consul_url: str) -> 
     try:
         await store_definitions(consul, models_text(50))
         await consul.kv_put(model_key("m7"), "not: [a, model")
-        _, everything = await kv_fetch(consul, 1)(0)  # the watcher's read: all of llmgw/
+        _, everything = await kv_fetch(consul, CONFIG_PREFIX, 1)(0)  # the watcher's read of llmgw/config/
         watcher = Definitions()
         watcher.load(everything, 1)
         _, router_read = await discovery._fetch_models(0)  # the router's: llmgw/config/ only

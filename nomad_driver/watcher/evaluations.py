@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterable
+from itertools import chain
 from typing import Any
 
 from nomad_driver.fields import as_int
 from nomad_driver.nomad import JOB_PREFIX, Nomad
 from nomad_driver.watcher.decisions import ModelView
-from nomad_driver.watcher.feeds import READ_EACH_UP_TO, _Feed
+from nomad_driver.watcher.feeds import READ_EACH_UP_TO, ByJob, _Feed
 from nomad_driver.watcher.job_facts import job_group
 
 # Allocations that hold (or are about to hold) a replica's place.
@@ -62,6 +63,7 @@ class EvaluationFeed(_Feed[tuple[dict[str, Any], ...]]):
         self.by_job: dict[str, dict[str, dict[str, Any]]] = {}
         self.job_reads = 0  # per-job reads made, for tests and the benchmark
         self._data: tuple[dict[str, Any], ...] = ()
+        self.indexed = ByJob((), {})
 
     async def list_all(self) -> int:
         index, items = await asyncio.to_thread(self.nomad.blocking_list, "evaluations")
@@ -93,6 +95,7 @@ class EvaluationFeed(_Feed[tuple[dict[str, Any], ...]]):
             self._changes = None
             return True
         changed = False
+        moved: set[str] = set()
         for job_id, evaluations in touched.items():
             held = self.by_job.get(job_id, {})
             if job_id in to_read:
@@ -113,13 +116,23 @@ class EvaluationFeed(_Feed[tuple[dict[str, Any], ...]]):
                 else:
                     self.by_job.pop(job_id, None)  # a purged job's
                 changed = True
+                moved.add(job_id)
                 self.changed(job_id)
         if changed:
-            self._refresh()
+            self._refresh(moved)
         return changed
 
-    def _refresh(self) -> None:
-        self._data = tuple(e for evals in self.by_job.values() for e in evals.values())
+    def _refresh(self, jobs: Iterable[str] | None = None) -> None:
+        """A new reading (`jobs`: those whose evaluations moved; None: every one)."""
+        by_job = dict(self.indexed.by_job) if jobs is not None else {}
+        for job in self.by_job if jobs is None else jobs:
+            held = self.by_job.get(job)
+            if held:
+                by_job[job] = tuple(held.values())
+            else:
+                by_job.pop(job, None)
+        self._data = tuple(chain.from_iterable(by_job.values()))
+        self.indexed = ByJob(self._data, by_job)
 
     def data(self) -> tuple[dict[str, Any], ...]:
         return self._data

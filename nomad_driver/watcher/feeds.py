@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from math import inf
 from typing import Any, Generic, TypeVar
 
@@ -150,17 +151,53 @@ class AllocationFeed(_Feed[tuple[dict[str, Any], ...]]):
         self.kept = kept
         self.by_id: dict[str, dict[str, Any]] = {}
         self._data: tuple[dict[str, Any], ...] = ()
+        # The reading per job and by ID, kept up as events come (`readings.py` uses them for
+        # the reading they were made with: a change costs its job's entry, not the fleet's).
+        self.indexed = ByJob((), {})
+        self._job_allocs: dict[str, dict[str, dict[str, Any]]] = {}
 
     async def list_all(self) -> int:
         index, items = await asyncio.to_thread(
             self.nomad.blocking_list, "allocations", params={"resources": "true"}
         )
         self.by_id = {str(a.get("ID", "")): a for a in items if self.kept(a)}
-        self._data = tuple(self.by_id.values())
+        self._job_allocs = {}
+        for alloc_id, a in self.by_id.items():
+            self._job_allocs.setdefault(str(a.get("JobID")), {})[alloc_id] = a
+        self._publish(None)
         return index
+
+    def _put(self, alloc_id: str, alloc: dict[str, Any] | None, jobs: set[str]) -> None:
+        """Hold `alloc` under its ID (None: drop it), noting the jobs whose entries moved."""
+        held = self.by_id.get(alloc_id)
+        job = str(alloc.get("JobID")) if alloc is not None else None
+        if held is not None and str(held.get("JobID")) != job:
+            jobs.add(str(held.get("JobID")))
+            self._job_allocs.get(str(held.get("JobID")), {}).pop(alloc_id, None)
+        if alloc is None:
+            self.by_id.pop(alloc_id, None)
+        else:
+            # Replaced in place: a reading keeps the order Nomad listed them in.
+            self.by_id[alloc_id] = alloc
+            jobs.add(str(job))
+            self._job_allocs.setdefault(str(job), {})[alloc_id] = alloc
+
+    def _publish(self, jobs: set[str] | None) -> None:
+        """A new reading (`jobs`: those whose entries moved; None: every one)."""
+        self._data = tuple(self.by_id.values())
+        by_job = dict(self.indexed.by_job) if jobs is not None else {}
+        for job in self._job_allocs if jobs is None else jobs:
+            entries = self._job_allocs.get(job)
+            if entries:
+                by_job[job] = tuple(entries.values())
+            else:
+                by_job.pop(job, None)
+                self._job_allocs.pop(job, None)
+        self.indexed = ByJob(self._data, by_job)
 
     async def apply(self, events: list[dict[str, Any]]) -> bool:
         changed = False
+        jobs: set[str] = set()
         ours: dict[str, None] = {}
         for event in events:
             payload = event.get("Payload")
@@ -175,10 +212,10 @@ class AllocationFeed(_Feed[tuple[dict[str, Any], ...]]):
             held = self.by_id.get(alloc_id)
             if self.kept(alloc):
                 if held is None or _holding(held) != _holding(alloc):
-                    self.by_id[alloc_id] = alloc
+                    self._put(alloc_id, alloc, jobs)
                     changed = True
             elif held is not None:
-                del self.by_id[alloc_id]
+                self._put(alloc_id, None, jobs)
                 changed = True
         if changed:
             self.changed(OTHER_JOBS)
@@ -191,17 +228,23 @@ class AllocationFeed(_Feed[tuple[dict[str, Any], ...]]):
                 self.nomad.blocking_list, "allocations", params={"prefix": alloc_id, "resources": "true"}
             )
             stub = next((s for s in stubs if s.get("ID") == alloc_id), None)
-            if stub is None:
-                self.by_id.pop(alloc_id, None)  # collected since its event
-            else:
-                self.by_id[alloc_id] = stub
+            # None: collected since its event.
+            self._put(alloc_id, stub, jobs)
             changed = True
         if changed:
-            self._data = tuple(self.by_id.values())
+            self._publish(jobs)
         return changed
 
     def data(self) -> tuple[dict[str, Any], ...]:
         return self._data
+
+
+@dataclass(frozen=True)
+class ByJob:
+    """A feed's reading (`data`), per job and by ID: made with it, never changed after."""
+
+    data: tuple[dict[str, Any], ...]
+    by_job: dict[str, tuple[dict[str, Any], ...]]
 
 
 def _holding(alloc: Mapping[str, Any]) -> tuple[Any, ...]:

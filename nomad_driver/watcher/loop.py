@@ -21,7 +21,7 @@ from functools import partial
 from typing import Any
 
 from nomad_driver.blocking import Watch
-from nomad_driver.consul import Consul, ConsulError, ConsulUnavailable, KVEntry
+from nomad_driver.consul import Consul, ConsulError, ConsulUnavailable
 from nomad_driver.nomad import Nomad
 from nomad_driver.placement import PlacementWarnings
 from nomad_driver.render import SERVICE_NAME
@@ -43,6 +43,7 @@ from nomad_driver.watcher.in_flight import (
     forget_gone_routers,
 )
 from nomad_driver.watcher.isolation import BrokenModels, broken_decision, reconcile_each
+from nomad_driver.watcher.kv_watches import KVWatches
 from nomad_driver.watcher.leader import LeaderInfo, Leadership, LeaseLost
 from nomad_driver.watcher.marks import ChangeReader, Marks
 from nomad_driver.watcher.quiet import model_quiet_until, record_differences, verify_file
@@ -57,7 +58,6 @@ from nomad_driver.watcher.watch import (
     engines_fetch,
     jobs_fetch,
     kept_allocation,
-    kv_fetch,
     nodes_fetch,
 )
 
@@ -128,9 +128,8 @@ class Watcher:
         self._routers_checked_at = 0.0
         self._wake = asyncio.Event()
         w = self.config.wait_s
-        self.kv: Watch[dict[str, KVEntry]] = Watch(
-            "consul-kv", kv_fetch(consul, w), on_change=partial(self.wake, "consul-kv")
-        )
+        # `llmgw/`, a blocking read per prefix (`kv_watches.py`).
+        self.kv = KVWatches(consul, w, self.wake)
         self.engines: Watch[tuple[dict[str, Any], ...]] = Watch(
             "consul-engines",
             engines_fetch(consul, SERVICE_NAME, w),
@@ -232,11 +231,9 @@ class Watcher:
         return self.memory.load
 
     def build_views(self, now: float | None = None, only: set[str] | None = None) -> dict[str, ModelView]:
-        kv = self.kv.snapshot
         return self.memory.build(
             self.clock() if now is None else now,
-            kv.data if kv else {},
-            kv.index if kv else None,
+            self.kv.parts(),
             self.jobs.snapshot.data if self.jobs.snapshot else {},
             self.allocs.snapshot.data if self.allocs.snapshot else None,
             self.evals.snapshot.data if self.evals.snapshot else (),
@@ -244,6 +241,7 @@ class Watcher:
             self.nodes.snapshot.data if self.nodes.snapshot else None,
             jobs_read=self.jobs.snapshot is not None,
             only=only,
+            indexes=(self.alloc_feed.indexed, self.eval_feed.indexed),
         )
 
     # Lifecycle
@@ -279,7 +277,7 @@ class Watcher:
         loop.set_default_executor(self._executor)
         for coro in (
             self.leadership.run(),
-            self.kv.run(),
+            *self.kv.runs(),
             self.engines.run(),
             self.jobs.run(),
             self.allocs.run(),
@@ -337,12 +335,12 @@ class Watcher:
         if now - self._routers_checked_at < INFLIGHT_FORGET_AFTER_S / 60:
             return
         self._routers_checked_at = now
-        await forget_gone_routers(self.consul, self.kv.snapshot.data if self.kv.snapshot else {}, now)
+        await forget_gone_routers(self.consul, self.kv.data(self.kv.routers), now)
 
     def ready_to_act(self) -> bool:
         """Act only on a complete picture: a watcher that has not yet read Nomad's allocations
         would see no failures and no replicas, and register or scale on that."""
-        watches = (self.kv, self.engines, self.jobs, self.allocs, self.evals)
+        watches = (*self.kv.watches, self.engines, self.jobs, self.allocs, self.evals)
         return all(w.snapshot is not None and w.ok for w in watches)
 
     # The pass

@@ -22,10 +22,10 @@ from math import inf
 from typing import Any
 
 from nomad_driver.blocking import Watch
-from nomad_driver.consul import KVEntry
 from nomad_driver.placement import PlacementWarnings
 from nomad_driver.spec import Model
 from nomad_driver.watcher.feeds import _Feed
+from nomad_driver.watcher.kv_watches import KVWatches
 from nomad_driver.watcher.quiet import FULL_PASS_EVERY_S
 from nomad_driver.watcher.readings import touched_models
 from nomad_driver.watcher.replicas import node_fabrics
@@ -110,7 +110,7 @@ class ChangeReader:
         marks: Marks,
         memory: ViewBuilder,
         warnings: PlacementWarnings,
-        kv: Watch[dict[str, KVEntry]],
+        kv: KVWatches,
         engines: Watch[tuple[dict[str, Any], ...]],
         nomad_watches: Mapping[str, Watch[Any]],
         nodes: Watch[tuple[dict[str, Any], ...]],
@@ -153,12 +153,12 @@ class ChangeReader:
     def read(self, now: float) -> bool:
         """Mark the models the readings changed since the last look; whether a pass has any
         model to reconcile now."""
-        kv = self.kv.snapshot
+        kv = self.kv.parts()
         readings = self.memory.readings
         definitions = self.memory.definitions
-        if kv is not None:
-            definitions.load(kv.data, kv.index)
-            self._touch(readings.kv_touched(kv.data, now))
+        if self.kv.config.snapshot is not None:
+            definitions.load(kv.config, kv.config_index)
+        self._touch(readings.kv_touched(kv, now))
         if definitions.models is not self._defined:
             before, self._defined = self._defined, definitions.models
             self.marks.touch(n for n, m in self._defined.items() if before.get(n) is not m)

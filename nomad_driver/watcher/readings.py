@@ -21,12 +21,13 @@ What a change touches:
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from math import inf
 from typing import Any
 
 from nomad_driver.consul import KVEntry
-from nomad_driver.state import ACTIVITY_PREFIX, INFLIGHT_PREFIX, STATE_PREFIX, Ask
-from nomad_driver.watcher.feeds import OTHER_JOBS
+from nomad_driver.state import ACTIVITY_PREFIX, STATE_PREFIX, Ask
+from nomad_driver.watcher.feeds import OTHER_JOBS, ByJob
 from nomad_driver.watcher.in_flight import asks, requests_in_flight, routers_change_at
 from nomad_driver.watcher.replicas import entry_model
 from nomad_driver.watcher.sightings import Passing, StartSightings
@@ -34,73 +35,85 @@ from nomad_driver.watcher.sightings import Passing, StartSightings
 Everything = None  # a change that touches every model
 
 
+@dataclass(frozen=True)
+class KVParts:
+    """A reading of each `llmgw/` prefix the watcher decides from (`kv_watches.py`)."""
+
+    config: Mapping[str, KVEntry] = field(default_factory=dict)
+    config_index: int | None = None
+    states: Mapping[str, KVEntry] = field(default_factory=dict)
+    states_index: int | None = None
+    activity: Mapping[str, KVEntry] = field(default_factory=dict)
+    routers: Mapping[str, KVEntry] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Figures:
+    """What the routers' records say at one moment (`in_flight.py`)."""
+
+    in_flight: dict[str, int]
+    busy: dict[str, set[str]]
+    asked: dict[str, tuple[Ask, ...]]
+    grace: float
+
+    def differences(self, other: Figures) -> set[str]:
+        """The models whose requests in flight, busy replicas or asks differ."""
+        pairs: list[tuple[Mapping[str, Any], Mapping[str, Any]]] = [
+            (self.in_flight, other.in_flight),
+            (self.busy, other.busy),
+            (self.asked, other.asked),
+        ]
+        return {m for old, new in pairs for m in old.keys() | new.keys() if old.get(m) != new.get(m)}
+
+
+def figures(routers: Mapping[str, KVEntry], now: float, least_grace_s: float) -> Figures:
+    in_flight, busy, grace = requests_in_flight(routers, now, least_grace_s)
+    return Figures(in_flight, busy, asks(routers, now), grace)
+
+
 class Readings:
     def __init__(self, activity_interval_s: float) -> None:
         self.activity_interval_s = activity_interval_s
-        self._kv: object = None
-        self._kv_index: dict[str, int] = {}
-        self._routers: dict[str, KVEntry] = {}
-        self._routers_at = -inf  # `now` the in-flight figures were worked out at
+        # What the last look at each KV prefix saw: the base the next one is compared with.
+        self._seen: dict[str, tuple[object, dict[str, int]]] = {}
+        self._routers_seen: object = None
         self._routers_due = inf
-        self.in_flight: dict[str, int] = {}
-        self.busy: dict[str, set[str]] = {}
-        self.grace = activity_interval_s
-        self.asked: dict[str, tuple[Ask, ...]] = {}
+        self._figures_seen: Figures = Figures({}, {}, {}, activity_interval_s)
+        # What the routers say, worked out at the `now` a pass builds its views at.
+        self._figures_of: tuple[object, float] = (None, -inf)
+        self.figures = self._figures_seen
         self._engines: object = None
         self._engine_seen: dict[str, tuple[str, Any]] = {}
         self.engines_by_model: dict[str, list[Mapping[str, Any]]] = {}
+        self._engines_indexed: object = None
         self._allocs: object = None
-        self.allocs_by_job: dict[str, list[dict[str, Any]]] = {}
-        self.allocs_by_id: dict[str, dict[str, Any]] = {}
+        self.allocs_by_job: Mapping[str, Sequence[dict[str, Any]]] = {}
         self._evals: object = None
-        self.evals_by_job: dict[str, list[dict[str, Any]]] = {}
-        self._passing_of: tuple[object, object] = (None, None)
-        self._passing = Passing({}, frozenset())
+        self.evals_by_job: Mapping[str, Sequence[dict[str, Any]]] = {}
 
     # What changed
 
-    def kv_touched(self, kv: Mapping[str, KVEntry], now: float) -> set[str] | None:
+    def kv_touched(self, kv: KVParts, now: float) -> set[str] | None:
         """The models whose state, activity or routers' figures a new KV reading (or the clock,
         for a router's record going stale) changed."""
         touched: set[str] = set()
-        routers_moved = now >= self._routers_due
-        if kv is not self._kv:
-            self._kv = kv
-            index = {k: e.modify_index for k, e in kv.items()}
-            moved = {k for k, _ in index.items() ^ self._kv_index.items()}
-            self._kv_index = index
-            for key in moved:
-                if key.startswith(STATE_PREFIX):
-                    touched.add(key[len(STATE_PREFIX) :])
-                elif key.startswith(ACTIVITY_PREFIX):
-                    touched.add(key[len(ACTIVITY_PREFIX) :])
-                elif key.startswith(INFLIGHT_PREFIX):
-                    routers_moved = True
-            if routers_moved:
-                self._routers = {k: e for k, e in kv.items() if k.startswith(INFLIGHT_PREFIX)}
-        if routers_moved:
-            changed = self._work_out_in_flight(now)
-            if changed is Everything:
+        for prefix, data in ((STATE_PREFIX, kv.states), (ACTIVITY_PREFIX, kv.activity)):
+            seen = self._seen.get(prefix)
+            if seen is not None and data is seen[0]:
+                continue
+            index = {k: e.modify_index for k, e in data.items()}
+            moved = {k for k, _ in index.items() ^ (seen[1] if seen else {}).items()}
+            self._seen[prefix] = (data, index)
+            touched |= {k[len(prefix) :] for k in moved}
+        if kv.routers is not self._routers_seen or now >= self._routers_due:
+            self._routers_seen = kv.routers
+            self._routers_due = routers_change_at(kv.routers, now)
+            before, after = self._figures_seen, figures(kv.routers, now, self.activity_interval_s)
+            self._figures_seen = after
+            if after.grace != before.grace:
                 return Everything
-            touched |= changed
+            touched |= before.differences(after)
         return touched
-
-    def _work_out_in_flight(self, now: float) -> set[str] | None:
-        before = (self.in_flight, self.busy, self.asked, self.grace)
-        self.in_flight, self.busy, self.grace = requests_in_flight(
-            self._routers, now, self.activity_interval_s
-        )
-        self.asked = asks(self._routers, now)
-        self._routers_at = now
-        self._routers_due = routers_change_at(self._routers, now)
-        if self.grace != before[3]:
-            return Everything
-        pairs: list[tuple[Mapping[str, Any], Mapping[str, Any]]] = [
-            (before[0], self.in_flight),
-            (before[1], self.busy),
-            (before[2], self.asked),
-        ]
-        return {m for old, new in pairs for m in old.keys() | new.keys() if old.get(m) != new.get(m)}
 
     def routers_due(self) -> float:
         """When a router's record next changes what it says with nothing written."""
@@ -129,7 +142,7 @@ class Readings:
             by_model.setdefault(model, []).append(e)
             seen[sid] = (model, (svc.get("ModifyIndex") if isinstance(svc, dict) else None, marks))
         before = self._engine_seen
-        self._engine_seen, self.engines_by_model = seen, by_model
+        self._engine_seen, self.engines_by_model, self._engines_indexed = seen, by_model, entries
         touched = {m for sid, (m, fp) in seen.items() if before.get(sid) != (m, fp)}
         touched |= {m for sid, (m, _) in before.items() if sid not in seen}
         return touched
@@ -138,37 +151,55 @@ class Readings:
 
     def index(
         self,
-        kv: Mapping[str, KVEntry],
+        kv: KVParts,
         now: float,
         allocs: Sequence[dict[str, Any]] | None,
         evals: Sequence[dict[str, Any]],
+        engines: Sequence[Mapping[str, Any]],
+        indexes: Sequence[ByJob] = (),
     ) -> None:
-        if kv is not self._kv or now != self._routers_at:
+        """Index the readings a pass builds views from; `indexes`: the feeds' own, used for the
+        reading each was made with."""
+        if engines is not self._engines_indexed:
+            by_model: dict[str, list[Mapping[str, Any]]] = {}
+            for e in engines:
+                by_model.setdefault(entry_model(e), []).append(e)
+            self.engines_by_model, self._engines_indexed = by_model, engines
+        if self._figures_of != (kv.routers, now):
             # Views are built at `now`: what the routers say is worked out for it.
-            self.kv_touched(kv, now)
-            self._work_out_in_flight(now)
+            self.figures = figures(kv.routers, now, self.activity_interval_s)
+            self._figures_of = (kv.routers, now)
         if allocs is not self._allocs:
             self._allocs = allocs
-            by_job: dict[str, list[dict[str, Any]]] = {}
-            by_id: dict[str, dict[str, Any]] = {}
-            for a in allocs or ():
-                by_job.setdefault(str(a.get("JobID")), []).append(a)
-                by_id[str(a.get("ID"))] = a
-            self.allocs_by_job, self.allocs_by_id = by_job, by_id
+            indexed = next((i for i in indexes if i.data is allocs), None)
+            if indexed is not None:
+                # The feed's, made with this reading as events came: nothing to go over.
+                self.allocs_by_job = indexed.by_job
+            else:
+                by_job: dict[str, list[dict[str, Any]]] = {}
+                for a in allocs or ():
+                    by_job.setdefault(str(a.get("JobID")), []).append(a)
+                self.allocs_by_job = by_job
         if evals is not self._evals:
             self._evals = evals
-            evals_by_job: dict[str, list[dict[str, Any]]] = {}
-            for e in evals:
-                evals_by_job.setdefault(str(e.get("JobID")), []).append(e)
-            self.evals_by_job = evals_by_job
+            indexed = next((i for i in indexes if i.data is evals), None)
+            if indexed is not None:
+                self.evals_by_job = indexed.by_job
+            else:
+                evals_by_job: dict[str, list[dict[str, Any]]] = {}
+                for e in evals:
+                    evals_by_job.setdefault(str(e.get("JobID")), []).append(e)
+                self.evals_by_job = evals_by_job
 
-    def passing(self, sightings: StartSightings, engines: Sequence[Mapping[str, Any]]) -> Passing:
-        """The starts passing their check now (`sightings.py`), worked out again only when the
-        engines or the allocations are a new reading."""
-        if self._passing_of != (engines, self._allocs):
-            self._passing = sightings.passing(engines, self.allocs_by_id)
-            self._passing_of = (engines, self._allocs)
-        return self._passing
+    def allocs_of(self, job_ids: Iterable[str]) -> dict[str, dict[str, Any]]:
+        """The allocations of a model's jobs, by ID: all a view looks up by ID (its engines'
+        and its busy replicas' allocations are its own)."""
+        return {str(a.get("ID")): a for job in job_ids for a in self.allocs_by_job.get(job, ())}
+
+    def passing(self, sightings: StartSightings, model: str, allocs_by_id: Mapping[str, Any]) -> Passing:
+        """One model's engines passing their check now, and the starts they vouch for
+        (`sightings.py`): worked out when its view is built, from its own entries only."""
+        return sightings.passing(self.engines_by_model.get(model, ()), allocs_by_id)
 
 
 def touched_models(

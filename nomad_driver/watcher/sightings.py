@@ -63,7 +63,8 @@ class StartSightings:
     def passing(
         self, entries: Iterable[Mapping[str, Any]], allocs_by_id: Mapping[str, Mapping[str, Any]]
     ) -> Passing:
-        """The engines passing in Consul's answer, and the starts they vouch for in Nomad's."""
+        """The engines passing in Consul's answer (all of them, or one model's), and the starts
+        they vouch for in Nomad's."""
         ready: dict[str, int] = {}
         ready_by_job: dict[str, int] = {}
         ready_by_definition: dict[tuple[str, str], int] = {}
@@ -94,7 +95,9 @@ class StartSightings:
             if index > known.floor:
                 healthy.add(start)
                 known.first = known.first or index
-        # Allocations Nomad no longer lists are done with.
-        for gone in set(self._episodes) - set(allocs_by_id):
-            del self._episodes[gone]
         return Passing(ready, frozenset(healthy), ready_by_job, ready_by_definition)
+
+    def forget_gone(self, listed: set[str]) -> None:
+        """Allocations Nomad no longer lists are done with (a full pass's look at all of them)."""
+        for gone in set(self._episodes) - listed:
+            del self._episodes[gone]

@@ -8,7 +8,7 @@ pass replaces everything, and so forgets the models no longer defined.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from nomad_driver.watcher.decisions import Decision, ModelView, Park
@@ -81,7 +81,7 @@ class Standing:
         self,
         views: Mapping[str, ModelView],
         engines_by_model: Mapping[str, list[Mapping[str, Any]]],
-        allocs_by_job: Mapping[str, list[dict[str, Any]]],
+        allocs_by_job: Mapping[str, Sequence[dict[str, Any]]],
         now: float,
         fabrics: Mapping[str, str],
     ) -> None:

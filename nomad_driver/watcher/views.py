@@ -29,11 +29,12 @@ from nomad_driver.state import (
     state_key,
 )
 from nomad_driver.watcher.decisions import ModelView, PreviousJob
+from nomad_driver.watcher.feeds import ByJob
 from nomad_driver.watcher.fenced import FencedStates
 from nomad_driver.watcher.job_facts import job_def_hash, job_group
-from nomad_driver.watcher.readings import Readings
+from nomad_driver.watcher.readings import KVParts, Readings
 from nomad_driver.watcher.replicas import busy_floor_of
-from nomad_driver.watcher.rollout import choose_jobs
+from nomad_driver.watcher.rollout import choose_jobs, job_ids
 from nomad_driver.watcher.scaling import Load, LoadHistory
 from nomad_driver.watcher.sightings import StartSightings
 
@@ -129,8 +130,7 @@ class ViewBuilder:
     def build(
         self,
         now: float,
-        kv: Mapping[str, KVEntry],
-        kv_index: int | None,
+        kv: KVParts,
         jobs: Mapping[str, Mapping[str, Any]],
         allocs: Sequence[dict[str, Any]] | None,
         evals: Sequence[dict[str, Any]],
@@ -138,31 +138,35 @@ class ViewBuilder:
         nodes: Sequence[Mapping[str, Any]] | None,
         jobs_read: bool = True,
         only: Collection[str] | None = None,
+        indexes: Sequence[ByJob] = (),
     ) -> dict[str, ModelView]:
         """Every defined model's view from one pass's readings (`allocs`/`nodes` None: not
         read yet, which multi-node rooms wait for). Before Nomad's jobs are read
         (`jobs_read` False) every model looks absent: its views are built, but nothing is
         remembered as first seen, or a watcher's start would seed its holds with no replicas.
         `only`: the models to build (None: every one)."""
-        if kv_index is not None:
-            self.states.settle(kv_index)
-        self.definitions.load(kv, kv_index)
+        if kv.states_index is not None:
+            self.states.settle(kv.states_index)
+        self.definitions.load(kv.config, kv.config_index)
         readings = self.readings
-        readings.index(kv, now, allocs, evals)
-        allocs_by_job, allocs_by_id = readings.allocs_by_job, readings.allocs_by_id
+        readings.index(kv, now, allocs, evals, engines, indexes)
+        allocs_by_job = readings.allocs_by_job
         evals_by_job = readings.evals_by_job
 
-        # The starts passing their check now: a fact of these snapshots, not a memory. Which
-        # start was ever healthy outlives it only through the model's stored count (baseline).
-        passing_now = readings.passing(self.sightings, engines)
-        ready, healthy = passing_now.ready, passing_now.healthy
+        if only is None:
+            self.sightings.forget_gone({str(a.get("ID")) for a in allocs or ()})
 
-        in_flight, busy, grace = readings.in_flight, readings.busy, readings.grace
-        asked = readings.asked
+        in_flight, busy, grace = readings.figures.in_flight, readings.figures.busy, readings.figures.grace
+        asked = readings.figures.asked
         defined = self.definitions.models
         chosen = defined.items() if only is None else ((n, defined[n]) for n in sorted(only) if n in defined)
         views: dict[str, ModelView] = {}
         for name, model in chosen:
+            # The starts passing their check now: a fact of these snapshots, not a memory. Which
+            # start was ever healthy outlives it only through the model's stored count (baseline).
+            allocs_by_id = readings.allocs_of(job_ids(model))
+            passing_now = readings.passing(self.sightings, name, allocs_by_id)
+            ready, healthy = passing_now.ready, passing_now.healthy
             job_id, previous_id = choose_jobs(model, jobs, passing_now.ready_by_job)
             job = jobs.get(job_id)
             previous = None
@@ -194,8 +198,8 @@ class ViewBuilder:
                 stepped = (count, -inf)
             elif stepped is None or stepped[0] != count:
                 self.stepped_at[job_id] = stepped = (count, -inf if stepped is None else now)
-            state, index, problem = self.state_for(name, kv)
-            activity_entry = kv.get(f"{ACTIVITY_PREFIX}{name}")
+            state, index, problem = self.state_for(name, kv.states)
+            activity_entry = kv.activity.get(f"{ACTIVITY_PREFIX}{name}")
             requests = in_flight.get(name, 0)
             if requests > 0:
                 self.last_in_flight[name] = now

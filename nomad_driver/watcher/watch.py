@@ -16,14 +16,15 @@ from typing import Any
 
 from nomad_driver.consul import Consul, KVEntry
 from nomad_driver.nomad import JOB_PREFIX, Nomad, NomadError
-from nomad_driver.state import KV_PREFIX
 
 # The collections the watcher reads.
 
 
-def kv_fetch(consul: Consul, wait_s: float) -> Callable[[int], Awaitable[tuple[int, dict[str, KVEntry]]]]:
+def kv_fetch(
+    consul: Consul, prefix: str, wait_s: float
+) -> Callable[[int], Awaitable[tuple[int, dict[str, KVEntry]]]]:
     async def fetch(index: int) -> tuple[int, dict[str, KVEntry]]:
-        new_index, entries = await consul.kv_get(KV_PREFIX, recurse=True, index=index, wait_s=wait_s)
+        new_index, entries = await consul.kv_get(prefix, recurse=True, index=index, wait_s=wait_s)
         return new_index, {e.key: e for e in entries}
 
     return fetch
