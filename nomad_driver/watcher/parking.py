@@ -162,7 +162,7 @@ def starts_of(alloc: Mapping[str, Any]) -> list[Start]:
                     )
                 )
                 current = None
-            elif kind in _FAILED_BEFORE_START and current is None:
+            elif current is None and (kind in _FAILED_BEFORE_START or _fails_before_start(ev)):
                 out.append(Start(alloc_id, str(task), t, version, True, True, event_text(ev), t, created))
         if current is not None and task == FETCH_TASK:
             continue  # a fetch under way: the start it belongs to has not begun
@@ -181,11 +181,20 @@ def starts_of(alloc: Mapping[str, Any]) -> list[Start]:
     return out
 
 
+def _fails_before_start(ev: Mapping[str, Any]) -> bool:
+    """A kill that fails the task (here, before it ever ran): Nomad's template hook giving up on a
+    template it cannot render ("Template failed: ...", client/allocrunner/taskrunner/template/
+    template.go), such as a Variable the job's identity may not read. Nothing restarts it in
+    place; the allocation fails and is rescheduled, so uncounted it would loop for ever."""
+    return ev.get("Type") == "Killing" and bool(ev.get("FailsTask"))
+
+
 def _asked_to_stop(ev: Mapping[str, Any]) -> bool:
     kind = ev.get("Type")
     if kind == _RESTART_SIGNALED:
         return not str(ev.get("RestartReason") or "").startswith(_FAILED_CHECK_RESTART)
-    return kind in _STOP_REQUESTED
+    # A kill that fails the task (a template that cannot render any more) was asked for by nobody.
+    return kind in _STOP_REQUESTED and not ev.get("FailsTask")
 
 
 # Failures remembered one by one behind a start still loading, by default; the watcher passes

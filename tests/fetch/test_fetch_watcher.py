@@ -68,3 +68,60 @@ def test_a_failed_fetch_is_a_failed_start_that_names_the_fetch() -> None:
         telling_line(stderr)
         == "fetch failed: credentials refused (HTTP 403 from s3 source s3://weights/m.gguf)"
     )
+
+
+def test_a_credentials_template_that_fails_is_a_failed_start_that_names_it() -> None:
+    # With ACLs on and no policy for the job's identity, the fetch task's template cannot read
+    # the model's Variable: Nomad kills the task before it ever starts (a Killing event that
+    # fails the task, "Template failed: ...") and the allocation fails. Each is a failed start,
+    # so five of them park the model with Nomad's words, not a crash loop of reschedules.
+    words = (
+        "Template failed: nomad.var.get(llmgw/sources/m@default.global): "
+        "Unexpected response code: 403 (Permission denied)"
+    )
+    allocs = [
+        {
+            **alloc(
+                "failed",
+                {
+                    "fetch": [
+                        event("Received", 10 * i),
+                        event("Task Setup", 10 * i + 1),
+                        event("Killing", 10 * i + 2, FailsTask=True, DisplayMessage=words),
+                    ],
+                    "engine": [event("Received", 10 * i)],
+                },
+            ),
+            "ID": f"a{i}",
+            "CreateIndex": 10 + i,
+        }
+        for i in range(5)
+    ]
+    starts = starts_of(allocs[0])
+    assert [(s.task, s.failed, s.error) for s in starts] == [("fetch", True, words)]
+    failures = count_start_failures(allocs, frozenset())
+    assert failures.consecutive == 5
+    assert failures.last_failed is not None and failures.last_failed.error == words
+
+
+def test_a_stop_asked_for_before_the_start_is_no_failed_start() -> None:
+    # A scale-down that stops an allocation still in its prestart: Killing without FailsTask.
+    a = alloc(
+        "complete", {"fetch": [event("Received", 1), event("Killing", 2, DisplayMessage="Sent interrupt")]}
+    )
+    assert starts_of(a) == []
+
+
+def test_a_running_task_killed_because_its_template_failed_is_a_failed_start() -> None:
+    words = "Template failed: nomad.var.get(llmgw/sources/m@default.global): Unexpected response code: 403"
+    a = alloc(
+        "failed",
+        {
+            "engine": [
+                event("Started", 1),
+                event("Killing", 5, FailsTask=True, DisplayMessage=words),
+                event("Terminated", 6, ExitCode=137),
+            ]
+        },
+    )
+    assert [(s.task, s.failed) for s in starts_of(a)] == [("engine", True)]
