@@ -307,12 +307,21 @@ class _GroupPlacer:
             self.usage.take_ports(used_ports or ())
         else:
             self.usage = UsageView(LiveUsage.of(live_allocs), used_ports=used_ports or ())
+        # What one allocation of the group asks, the same on every node (devices aside, which
+        # do not count here): summed once, not once per node ranked.
+        asks = {t.name: {"Cpu": {"CpuShares": t.cpu}, "Memory": {"MemoryMB": t.memory}} for t in self.tasks}
+        resources = {"Tasks": asks, "TaskLifecycles": self._lifecycles(), "Shared": {"DiskMB": self.disk}}
+        self._proposed = alloc_footprint({"AllocatedResources": resources})
+        self._property_list = self._compute_property_sets()
         self.property_use: dict[tuple[int, str], Counter[str]] = {}
         self._init_properties(self.usage.job_held((self.ask.namespace, self.ask.job_id)))
         self.elig = Eligibility()
 
     # distinct_property: how often each property value is already used by this job (or group)
     def _property_sets(self) -> list[tuple[int, Constraint, bool]]:
+        return self._property_list
+
+    def _compute_property_sets(self) -> list[tuple[int, Constraint, bool]]:
         sets = [(i, c, False) for i, c in enumerate(self.ask.distinct_property_job)]
         offset = len(sets)
         sets += [(offset + i, c, True) for i, c in enumerate(self.ask.distinct_property_group)]
@@ -387,15 +396,7 @@ class _GroupPlacer:
                 "Networks": None,
                 "Devices": offers or None,
             }
-        proposed = alloc_footprint(
-            {
-                "AllocatedResources": {
-                    "Tasks": tasks,
-                    "TaskLifecycles": self._lifecycles(),
-                    "Shared": {"DiskMB": self.disk},
-                }
-            }
-        )
+        proposed = self._proposed
         cpu_used = usage.cpu + proposed[0]
         mem_used = usage.memory + proposed[1]
         disk_used = usage.disk + proposed[2]
