@@ -128,13 +128,17 @@ def register_stub_engine(consul_url: str, port: int) -> None:
 
 
 def start_standin(
-    data_dir: Path, fleet: Path = LARGE_FLEET, consul_url: str | None = None
+    data_dir: Path,
+    fleet: Path = LARGE_FLEET,
+    consul_url: str | None = None,
+    python_args: tuple[str, ...] = (),
 ) -> tuple[subprocess.Popen[bytes], str]:
     """`python -m devstack.nomad` on a free port, logging to DATA_DIR/standin.log; returns the
-    process and its URL once it answers."""
+    process and its URL once it answers. `python_args` go before `-m devstack.nomad` (a
+    profiler: `("-m", "cProfile", "-o", PATH)`)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    args = [sys.executable, "-m", "devstack.nomad", "--listen", f"127.0.0.1:{port}", "--nodes", str(fleet),
+    args = [sys.executable, *python_args, "-m", "devstack.nomad", "--listen", f"127.0.0.1:{port}", "--nodes", str(fleet),
             "--data-dir", str(data_dir / "nomad"), "--log-level", "WARNING"]  # fmt: skip
     if consul_url:
         args += ["--consul", consul_url]

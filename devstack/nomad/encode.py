@@ -90,7 +90,9 @@ def parse_rfc3339_ns(text: str | None) -> int:
     if not text or text.startswith("0001-01-01"):
         return 0
     base, _, frac = text.rstrip("Z").partition(".")
-    dt = datetime.strptime(base, "%Y-%m-%dT%H:%M:%S").replace(tzinfo=UTC)
+    # fromisoformat, not strptime: the deployment watcher parses every tracked allocation's
+    # task times five times a second, and strptime was a tenth of a busy stand-in's CPU.
+    dt = datetime.fromisoformat(base).replace(tzinfo=UTC)
     frac_ns = int((frac + "000000000")[:9]) if frac else 0
     return int(dt.timestamp()) * 1_000_000_000 + frac_ns
 

@@ -24,8 +24,8 @@ import random
 import socket
 import time
 from collections import Counter
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from collections.abc import Container, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from devstack.nomad.feasible import (
@@ -48,11 +48,21 @@ from devstack.nomad.feasible import (
     view_of,
 )
 from devstack.nomad.nodes import LOOPBACK, MAX_DYNAMIC_PORT, MIN_DYNAMIC_PORT
+from devstack.nomad.usage import (
+    Held,
+    LiveUsage,
+    NodeUsage,
+    UsageView,
+    alloc_footprint,
+    alloc_is_live,
+    alloc_ports,
+    cached_footprint,
+    forget_footprint,
+)
 from devstack.ports import worker_band
 
 Json = dict[str, Any]
 
-TERMINAL_CLIENT_STATUSES = frozenset({"complete", "failed", "lost"})
 MAX_RETAINED_SCORES = 5  # structs.MaxRetainedNodeScores
 BINPACK_MAX_FIT = 18.0
 DEFAULT_CPU = 100
@@ -60,11 +70,6 @@ DEFAULT_MEMORY_MB = 300
 DEFAULT_DISK_MB = 300
 
 _rng = random.Random()
-
-
-def alloc_is_live(alloc: Json) -> bool:
-    """Counts against node capacity: wanted running and not finished on the client."""
-    return alloc.get("DesiredStatus") == "run" and alloc.get("ClientStatus") not in TERMINAL_CLIENT_STATUSES
 
 
 @dataclass
@@ -80,100 +85,6 @@ class GroupPlacement:
     placed: list[Placement]
     failed: int
     metrics: Json  # Evaluation.FailedTGAllocs[group]; {} when everything was placed
-
-
-# ----- what is already in use ---------------------------------------------------------------
-
-
-@dataclass
-class _Usage:
-    cpu: int = 0
-    memory: int = 0
-    disk: int = 0
-    devices: set[str] = field(default_factory=set)
-    jobs: Counter[tuple[str, str]] = field(default_factory=Counter)
-    groups: Counter[tuple[str, str, str]] = field(default_factory=Counter)
-
-
-def _task_usage(res: Json) -> tuple[int, int]:
-    return int((res.get("Cpu") or {}).get("CpuShares") or 0), int(
-        (res.get("Memory") or {}).get("MemoryMB") or 0
-    )
-
-
-def alloc_footprint(alloc: Json) -> tuple[int, int, int, list[str]]:
-    """`AllocatedResources.Comparable()`: CPU and memory with lifecycle hooks taken into account
-    (prestart tasks that exit do not add to the main tasks), disk, and device instance IDs."""
-    ar = alloc.get("AllocatedResources") or {}
-    lifecycles = ar.get("TaskLifecycles") or {}
-    main = [0, 0]
-    sidecar = [0, 0]
-    ephemeral = [0, 0]
-    poststop = [0, 0]
-    devices: list[str] = []
-    for name, res in (ar.get("Tasks") or {}).items():
-        res = res or {}
-        cpu, mem = _task_usage(res)
-        hook = lifecycles.get(name) or {}
-        if not hook:
-            bucket = main
-        elif hook.get("Hook") == "prestart":
-            bucket = sidecar if hook.get("Sidecar") else ephemeral
-        elif hook.get("Hook") == "poststop":
-            bucket = poststop
-        else:
-            bucket = main  # poststart hooks are ignored by Nomad's Comparable; count them
-        bucket[0] += cpu
-        bucket[1] += mem
-        for dev in res.get("Devices") or []:
-            devices.extend(dev.get("DeviceIDs") or [])
-    cpu = sidecar[0] + max(ephemeral[0], main[0], poststop[0])
-    mem = sidecar[1] + max(ephemeral[1], main[1], poststop[1])
-    disk = int((ar.get("Shared") or {}).get("DiskMB") or 0)
-    return cpu, mem, disk, devices
-
-
-# A placed allocation's AllocatedResources never change, so what it holds is computed once per
-# allocation ID rather than on every placement (which made each placement cost a pass over every
-# allocation's task resources, and a burst of registers quadratic). The store drops an entry once
-# the allocation stops holding resources (`forget_footprint`). An entry also remembers the
-# AllocatedResources object it was computed from and is used only for that same object, so a
-# reused or hand-made ID can never return another allocation's footprint.
-_Footprint = tuple[int, int, int, tuple[str, ...], frozenset[int]]
-_FOOTPRINTS: dict[str, tuple[object, _Footprint]] = {}
-
-
-def cached_footprint(alloc: Json) -> _Footprint:
-    """(cpu, memory, disk, device IDs, ports) of a live allocation, cached by its ID."""
-    alloc_id = alloc.get("ID") or ""
-    resources = alloc.get("AllocatedResources")
-    hit = _FOOTPRINTS.get(alloc_id) if alloc_id else None
-    if hit is not None and hit[0] is resources:
-        return hit[1]
-    cpu, mem, disk, devices = alloc_footprint(alloc)
-    entry = (cpu, mem, disk, tuple(devices), frozenset(alloc_ports(alloc)))
-    if alloc_id and resources is not None:
-        _FOOTPRINTS[alloc_id] = (resources, entry)
-    return entry
-
-
-def forget_footprint(alloc_id: str) -> None:
-    _FOOTPRINTS.pop(alloc_id, None)
-
-
-def alloc_ports(alloc: Json) -> set[int]:
-    """Every host port an allocation holds: group ports and (deprecated) task networks."""
-    ar = alloc.get("AllocatedResources") or {}
-    shared = ar.get("Shared") or {}
-    ports = {int(p["Value"]) for p in shared.get("Ports") or [] if p.get("Value")}
-    networks = list(shared.get("Networks") or [])
-    for res in (ar.get("Tasks") or {}).values():
-        networks.extend((res or {}).get("Networks") or [])
-    for nw in networks:
-        for p in (nw.get("DynamicPorts") or []) + (nw.get("ReservedPorts") or []):
-            if p.get("Value"):
-                ports.add(int(p["Value"]))
-    return ports
 
 
 # ----- ports ----------------------------------------------------------------------------------
@@ -193,7 +104,7 @@ def port_is_bindable(port: int) -> bool:
     return True
 
 
-def _pick_dynamic(count: int, taken: set[int]) -> list[int] | None:
+def _pick_dynamic(count: int, taken: Container[int]) -> list[int] | None:
     chosen: list[int] = []
     # Every stand-in on this machine shares its loopback: in parallel test workers each picks
     # from a band of its own (devstack/ports.py), so two stand-ins never hand out one port.
@@ -216,7 +127,17 @@ def _pick_dynamic(count: int, taken: set[int]) -> list[int] | None:
     return chosen if len(chosen) == count else None
 
 
-def _network_offer(network: Json, taken: set[int]) -> tuple[Json | None, list[Json], str | None]:
+class _Either:
+    """Ports taken in either of two sets, without copying the larger (the cluster's)."""
+
+    def __init__(self, first: Container[int], second: Container[int]) -> None:
+        self.first, self.second = first, second
+
+    def __contains__(self, port: object) -> bool:
+        return port in self.first or port in self.second
+
+
+def _network_offer(network: Json, taken: Container[int]) -> tuple[Json | None, list[Json], str | None]:
     """`NetworkIndex.AssignPorts` for the group network: (network resource, port mappings,
     error)."""
     reserved = [dict(p) for p in network.get("ReservedPorts") or []]
@@ -224,7 +145,7 @@ def _network_offer(network: Json, taken: set[int]) -> tuple[Json | None, list[Js
     for p in reserved:
         if int(p.get("Value") or 0) in taken:
             return None, [], f"reserved port collision {p.get('Label')}={p.get('Value')}"
-    asked = taken | {int(p.get("Value") or 0) for p in reserved}
+    asked = _Either(taken, {int(p.get("Value") or 0) for p in reserved})
     values = _pick_dynamic(len(dynamic), asked)
     if values is None:
         return None, [], "dynamic port selection failed"
@@ -344,7 +265,7 @@ class _Candidate:
 
 
 class _GroupPlacer:
-    def __init__(self, job: Json, group: Json, nodes: Iterable[Json], live_allocs: Iterable[Json],
+    def __init__(self, job: Json, group: Json, nodes: Iterable[Json], live_allocs: Iterable[Json] | UsageView,
                  count: int, used_ports: set[int] | None) -> None:  # fmt: skip
         self.job = job
         self.group = group
@@ -380,45 +301,39 @@ class _GroupPlacer:
         )
         self.by_dc = Counter(v.datacenter for v in self.candidates)
 
-        self.usage: dict[str, _Usage] = {}
-        self.taken: set[int] = set(used_ports or ())
+        # What live allocations hold, as the store keeps it (or summed from a list handed in).
+        if isinstance(live_allocs, UsageView):
+            self.usage = live_allocs
+            self.usage.take_ports(used_ports or ())
+        else:
+            self.usage = UsageView(LiveUsage.of(live_allocs), used_ports=used_ports or ())
+        # What one allocation of the group asks, the same on every node (devices aside, which
+        # do not count here): summed once, not once per node ranked.
+        asks = {t.name: {"Cpu": {"CpuShares": t.cpu}, "Memory": {"MemoryMB": t.memory}} for t in self.tasks}
+        resources = {"Tasks": asks, "TaskLifecycles": self._lifecycles(), "Shared": {"DiskMB": self.disk}}
+        self._proposed = alloc_footprint({"AllocatedResources": resources})
+        self._property_list = self._compute_property_sets()
         self.property_use: dict[tuple[int, str], Counter[str]] = {}
-        live = [a for a in live_allocs if alloc_is_live(a)]
-        for alloc in live:
-            usage = self.usage.setdefault(alloc.get("NodeID", ""), _Usage())
-            cpu, mem, disk, devices, ports = cached_footprint(alloc)
-            usage.cpu += cpu
-            usage.memory += mem
-            usage.disk += disk
-            if devices:
-                usage.devices.update(devices)
-            ns, job_id = alloc.get("Namespace") or "default", alloc.get("JobID") or ""
-            usage.jobs[(ns, job_id)] += 1
-            usage.groups[(ns, job_id, alloc.get("TaskGroup") or "")] += 1
-            if ports:
-                self.taken |= ports
-        self._init_properties(live)
+        self._init_properties(self.usage.job_held((self.ask.namespace, self.ask.job_id)))
         self.elig = Eligibility()
 
     # distinct_property: how often each property value is already used by this job (or group)
     def _property_sets(self) -> list[tuple[int, Constraint, bool]]:
+        return self._property_list
+
+    def _compute_property_sets(self) -> list[tuple[int, Constraint, bool]]:
         sets = [(i, c, False) for i, c in enumerate(self.ask.distinct_property_job)]
         offset = len(sets)
         sets += [(offset + i, c, True) for i, c in enumerate(self.ask.distinct_property_group)]
         return sets
 
-    def _init_properties(self, live: list[Json]) -> None:
+    def _init_properties(self, job_held: list[Held]) -> None:
         for idx, c, per_group in self._property_sets():
             counter: Counter[str] = Counter()
-            for alloc in live:
-                if (
-                    alloc.get("JobID") != self.ask.job_id
-                    or (alloc.get("Namespace") or "default") != self.ask.namespace
-                ):
+            for held in job_held:
+                if per_group and held.group != self.group_name:
                     continue
-                if per_group and alloc.get("TaskGroup") != self.group_name:
-                    continue
-                view = self.by_id.get(alloc.get("NodeID", ""))
+                view = self.by_id.get(held.node)
                 if view is None:
                     continue
                 value, ok = resolve_target(c.ltarget, view)
@@ -454,7 +369,7 @@ class _GroupPlacer:
         return matched / total
 
     def _binpack(self, view: NodeView, metric: AllocMetric, net_error: str | None) -> _Candidate | None:
-        usage = self.usage.get(view.id) or _Usage()
+        usage = self.usage.get(view.id) or NodeUsage()
         if net_error is not None:
             metric.exhausted_node(view, f"network: {net_error}")
             return None
@@ -481,15 +396,7 @@ class _GroupPlacer:
                 "Networks": None,
                 "Devices": offers or None,
             }
-        proposed = alloc_footprint(
-            {
-                "AllocatedResources": {
-                    "Tasks": tasks,
-                    "TaskLifecycles": self._lifecycles(),
-                    "Shared": {"DiskMB": self.disk},
-                }
-            }
-        )
+        proposed = self._proposed
         cpu_used = usage.cpu + proposed[0]
         mem_used = usage.memory + proposed[1]
         disk_used = usage.disk + proposed[2]
@@ -551,7 +458,7 @@ class _GroupPlacer:
                 continue
             if not net_done:
                 assert self.network is not None
-                net_resource, mappings, net_error = _network_offer(self.network, self.taken)
+                net_resource, mappings, net_error = _network_offer(self.network, self.usage)
                 net_done = True
             candidate = self._binpack(view, metric, net_error)
             if candidate is None:
@@ -570,7 +477,7 @@ class _GroupPlacer:
         self, best: _Candidate, net: Json | None, mappings: list[Json], metric: AllocMetric
     ) -> Placement:
         view = best.view
-        usage = self.usage.setdefault(view.id, _Usage())
+        usage = self.usage.writable(view.id)
         resources = {
             "Tasks": best.tasks,
             "TaskLifecycles": self._lifecycles(),
@@ -583,7 +490,7 @@ class _GroupPlacer:
         usage.devices.update(best.devices_used)
         usage.jobs[(self.ask.namespace, self.ask.job_id)] += 1
         usage.groups[(self.ask.namespace, self.ask.job_id, self.group_name)] += 1
-        self.taken.update(m["Value"] for m in mappings)
+        self.usage.take_ports(m["Value"] for m in mappings)
         for idx, c, _ in self._property_sets():
             value, ok = resolve_target(c.ltarget, view)
             if ok:
@@ -595,7 +502,7 @@ def place_group(
     job: Json,
     group: Json,
     nodes: Iterable[Json],
-    live_allocs: Iterable[Json],
+    live_allocs: Iterable[Json] | UsageView,
     count: int,
     used_ports: set[int] | None = None,
 ) -> GroupPlacement:
@@ -631,7 +538,7 @@ def place_system(
     job: Json,
     group: Json,
     nodes: Iterable[Json],
-    live_allocs: Iterable[Json],
+    live_allocs: Iterable[Json] | UsageView,
     targets: Iterable[str],
     used_ports: set[int] | None = None,
 ) -> SystemPlacement:

@@ -17,6 +17,7 @@ from devstack.nomad.encode import ZERO_TIME, parse_rfc3339_ns, rfc3339
 from devstack.nomad.feasible import glob_match, view_of
 from devstack.nomad.placement import place_group, place_system
 from devstack.nomad.state import StateStore
+from devstack.nomad.usage import LiveUsage, UsageView
 
 Json = dict[str, Any]
 
@@ -234,7 +235,8 @@ def compute_plan(
     `live_allocs` are what placement packs against (default: the store's live allocations);
     `destructive_budget` caps the replacements per group (a rolling update; absent: no cap)."""
     plan = Plan(evaluation=dict(evaluation))
-    live = list(store.live_allocs.values()) if live_allocs is None else live_allocs
+    # The store's running sums, not a pass over every live allocation: see usage.py.
+    live = store.live_usage if live_allocs is None else LiveUsage.of(live_allocs)
     ns, job_id = evaluation["Namespace"], evaluation["JobID"]
     job = store.jobs.get((ns, job_id))
     allocs = store.allocs_for_job(ns, job_id)
@@ -287,7 +289,7 @@ def _system_plan(
     job: Json,
     groups: dict[str, Json],
     allocs: list[Json],
-    live: list[Json],
+    live: LiveUsage,
     now_ns: int,
 ) -> None:
     """One allocation of each group on every ready node of the job's datacenters and pool.
@@ -358,7 +360,7 @@ def _system_plan(
                 plan.updated.append({**alloc, "Job": job, "ModifyTime": now_ns})
 
     stopping = {a["ID"] for a in plan.stopped}
-    packed = [a for a in live if a["ID"] not in stopping]
+    packed: list[Json] = []  # placed by this plan so far
     node_order = sorted(ready.values(), key=lambda n: n.get("Name") or "")
     for name, group in groups.items():
         names = [n for n, g in required.items() if g is group]
@@ -376,7 +378,8 @@ def _system_plan(
             if not targets:
                 plan.queued[name] = plan.queued.get(name, 0)
                 continue
-            result = place_system(job, group, list(ready.values()), packed, targets)
+            view = UsageView(live, without=stopping, extra=packed)
+            result = place_system(job, group, list(ready.values()), view, targets)
             for node_id, placement in result.placed:
                 prev = previous[node_id]
                 slot = _Slot(alloc_name, _name_index(alloc_name), previous=prev)
@@ -512,7 +515,7 @@ def _place(
     group: Json,
     slots: list[_Slot],
     nodes: list[Json],
-    store_live: list[Json],
+    store_live: LiveUsage,
     placed_so_far: list[Json],
     now_ns: int,
 ) -> None:
@@ -523,7 +526,7 @@ def _place(
     # Replacements first: a rescheduled or migrated allocation is restoring what ran before.
     want.sort(key=lambda s: (s.previous is None, s.index))
     stopping = {a["ID"] for a in plan.stopped}
-    live = [a for a in store_live if a["ID"] not in stopping] + placed_so_far
+    live = UsageView(store_live, without=stopping, extra=placed_so_far)
     result = place_group(job, group, nodes, live, len(want))
     for slot, placement in zip(want, result.placed, strict=False):
         alloc = _new_alloc(plan.evaluation, job, group, slot, placement, now_ns)

@@ -20,7 +20,7 @@ from typing import Any
 
 from devstack.nomad import deployment_status
 from devstack.nomad.encode import parse_rfc3339_ns, rfc3339
-from devstack.nomad.placement import forget_footprint
+from devstack.nomad.usage import LiveUsage, forget_footprint
 
 Json = dict[str, Any]
 
@@ -94,6 +94,8 @@ class StateStore:
         # Allocations that hold resources on their node (desired "run", client not terminal):
         # what placement packs against, kept so no placement scans finished allocations.
         self.live_allocs: dict[str, Json] = {}
+        # What they hold, summed per node and port as they come and go (usage.py).
+        self.live_usage = LiveUsage()
         self._table_events: dict[str, asyncio.Event] = {t: asyncio.Event() for t in TABLES}
         self._subscribers: list[asyncio.Queue[list[Event]]] = []
         self._pending: _Pending | None = None
@@ -267,7 +269,9 @@ class StateStore:
         self._allocs_by_node.setdefault(alloc["NodeID"], {})[alloc["ID"]] = alloc
         if alloc["DesiredStatus"] == "run" and alloc["ClientStatus"] in ("pending", "running"):
             self.live_allocs[alloc["ID"]] = alloc
+            self.live_usage.add(alloc)
         elif self.live_allocs.pop(alloc["ID"], None) is not None:
+            self.live_usage.discard(alloc["ID"])
             forget_footprint(alloc["ID"])
         # Nomad strips the embedded job from allocation events (state/events.go); it would make
         # every event as large as the job and repeat it once per allocation.
@@ -288,6 +292,7 @@ class StateStore:
             self._allocs_by_job.get((alloc["Namespace"], alloc["JobID"]), {}).pop(alloc_id, None)
             self._allocs_by_node.get(alloc["NodeID"], {}).pop(alloc_id, None)
             if self.live_allocs.pop(alloc_id, None) is not None:
+                self.live_usage.discard(alloc_id)
                 forget_footprint(alloc_id)
             self._touch("allocs")
         return self.index
