@@ -1,7 +1,7 @@
 """How much the router adds, measured side by side in one run on this machine.
 
     .venv/bin/python bench/router_bench.py [--requests 2000] [--seconds 8] [--clients 64]
-        [--no-litellm] [--no-clients-compare] [--no-activation] [--no-failover]
+        [--no-litellm] [--no-clients-compare] [--no-activation] [--no-failover] [--fleet 1000]
 
 Servers in front of one fixed-answer stub engine (raw ASGI under uvicorn): nothing (the stub
 itself), a bare Starlette proxy once per upstream client the router could use (aiohttp, httpx,
@@ -11,7 +11,8 @@ LiteLLM's proxy (installed once into its own virtualenv under ~/.cache/llmgw/ben
 the same load from this process, in rounds with the targets taking turns: one keep-alive client
 for latency, `--clients` concurrent clients for throughput, and streamed requests for time to
 first byte; the router also gets requests for a parked and an unplaceable model (the latter also
-from a second router that asks the Nomad stand-in afresh each time), a second replica whose
+from a second router that asks the Nomad stand-in afresh each time, through the leading watcher,
+with `--fleet` more on-demand models defined and their jobs registered), a second replica whose
 Consul check is failed under load, to time how long new requests still reach it, and 100
 clients waiting for a model that never becomes ready: more requests are refused as overloaded
 (timed, taking turns with parked refusals), then the model is parked in Consul and each waiting
@@ -49,6 +50,9 @@ from bench import wrk_check  # noqa: E402
 from bench._support import register_stub_engine  # noqa: E402
 from devstack.consul_agent import ConsulAgent  # noqa: E402
 from devstack.ports import free_port  # noqa: E402
+from nomad_driver.config_kv import definition_keys  # noqa: E402
+from nomad_driver.config_store import store_keys  # noqa: E402
+from nomad_driver.consul import Consul  # noqa: E402
 
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
@@ -106,6 +110,28 @@ models:
   cold: {source: "file:///cold.gguf", profile: p, replicas: {min: 0, max: 1}, activation_timeout: 10m}
 """
 HUGE_REQUEST = json.dumps({**json.loads(REQUEST), "model": "huge"}).encode()
+# The fresh attempt's targets (issue 36), at `--fleet` models defined.
+ASK_MEDIAN_S = 0.050
+ASK_P99_S = 0.100
+
+
+def fleet_models(n: int) -> str:
+    """MODELS and `n` on-demand models beside them, never asked for: the fleet the watcher
+    keeps while one model's fresh attempt is timed."""
+    return MODELS + "".join(
+        f'  idle-{i}: {{source: "file:///idle-{i}.gguf", profile: p, replicas: {{min: 0, max: 1}}}}\n'
+        for i in range(n)
+    )
+
+
+async def store_definitions(consul_url: str, text: str) -> None:
+    consul = Consul(consul_url)
+    try:
+        await store_keys(consul, definition_keys(text))
+    finally:
+        await consul.close()
+
+
 # Placed on the stand-in, but its engine never becomes ready (the nodes have no engine
 # installed): requests for it wait, as for a cold start, until the bench parks it.
 COLD_REQUEST = json.dumps({**json.loads(REQUEST), "model": "cold"}).encode()
@@ -624,6 +650,9 @@ def wait_http(url: str, timeout: float = 30.0, ok: Callable[[httpx.Response], bo
 def main() -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument(
+        "--fleet", type=int, default=1000, help="on-demand models defined beside the measured ones"
+    )
     parser.add_argument("--seconds", type=float, default=8.0)
     parser.add_argument("--clients", type=int, default=64)
     parser.add_argument(
@@ -707,7 +736,8 @@ def run(args: argparse.Namespace, agent: ConsulAgent, procs: Procs, tmp: Path) -
         targets[f"proxy {client}"] = f"http://127.0.0.1:{port}"
 
     register_stub_engine(agent.url, stub_port)
-    httpx.put(f"{agent.url}/v1/kv/llmgw/config/models", content=MODELS).raise_for_status()
+    # Stored as `llmgw apply` stores them, one key per model, with the idle fleet beside them.
+    asyncio.run(store_definitions(agent.url, fleet_models(args.fleet)))
     httpx.put(
         f"{agent.url}/v1/kv/llmgw/state/parked", json={"parked": True, "last_error": "bench"}
     ).raise_for_status()
@@ -784,7 +814,7 @@ def run(args: argparse.Namespace, agent: ConsulAgent, procs: Procs, tmp: Path) -
 
     activating = nomad = ""
     if args.activation:
-        activating, nomad = start_activation(procs, tmp, agent.url)
+        activating, nomad = start_activation(procs, tmp, agent.url, args.fleet)
 
     stub2 = ""
     if args.failover:
@@ -818,7 +848,7 @@ def wrk_compare(targets: dict[str, str], seconds: float) -> int:
     return 0 if ratio >= WRK_FLOOR else 1
 
 
-def start_activation(procs: Procs, tmp: Path, consul: str) -> tuple[str, str]:
+def start_activation(procs: Procs, tmp: Path, consul: str, fleet: int) -> tuple[str, str]:
     """The Nomad stand-in with `huge`'s job, a watcher on it, and a router with activation on:
     (router, Nomad)."""
     from nomad_driver.render import render_job
@@ -843,8 +873,10 @@ def start_activation(procs: Procs, tmp: Path, consul: str) -> tuple[str, str]:
     )
     nomad = f"http://127.0.0.1:{nomad_port}"
     wait_http(f"{nomad}/v1/status/leader", ok=lambda r: r.status_code == 200)
-    for name in ("huge", "cold"):
-        job = render_job(parse_models(MODELS).models[name])
+    models = parse_models(fleet_models(fleet)).models
+    for name in ("huge", "cold", *(f"idle-{i}" for i in range(fleet))):
+        job = render_job(models[name])
+        job["TaskGroups"][0]["Count"] = 0 if name.startswith("idle-") else job["TaskGroups"][0]["Count"]
         httpx.post(f"{nomad}/v1/jobs", json={"Job": job}, timeout=10).raise_for_status()
     # The router asks and the leading watcher scales (the router never calls Nomad), so the
     # refusal measured here includes the watcher's pass and its read of the evaluation.
@@ -880,8 +912,15 @@ def start_activation(procs: Procs, tmp: Path, consul: str) -> tuple[str, str]:
     router = f"http://127.0.0.1:{router_port}"
     try:
         wait_http(f"{router}/healthz", ok=lambda r: r.status_code == 200 and r.json()["ready_replicas"] == 1)
+        # The watcher has taken the whole fleet in once it wrote a state for each model.
+        wait_http(
+            f"{consul}/v1/kv/llmgw/state/?keys=true",
+            timeout=120,
+            ok=lambda r: r.status_code == 200 and len(r.json()) >= fleet,
+        )
     except RuntimeError:
         print(procs.tail("router-activation"), file=sys.stderr)
+        print(procs.tail("watcher-activation"), file=sys.stderr)
         raise
     return router, nomad
 
@@ -991,14 +1030,16 @@ async def measure(
         ),
     ]
     if asked:
-        # Five or six calls to Nomad in a row, whose time is Nomad's: against the same calls made
-        # straight to the stand-in.
-        value, ok = against(pct(asked, 0.99), 0.005, pct(direct, 0.99), "the same Nomad calls made directly")
+        # The ask's hops through Consul, the watcher's pass over that one model, and its scale
+        # call and evaluation read on the stand-in; the same Nomad calls made directly beside it.
+        median, p99 = statistics.median(asked), pct(asked, 0.99)
         checks.append(
             (
-                "refusal p99, unplaceable, asking the Nomad stand-in",
-                f"{value}; median {statistics.median(asked) * 1000:.3f} ms",
-                ok,
+                f"fresh attempt refused, unplaceable, {args.fleet} models defined",
+                f"median {median * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms (target {ASK_MEDIAN_S * 1000:g} / "
+                f"{ASK_P99_S * 1000:g} ms; the Nomad calls made directly: median "
+                f"{statistics.median(direct) * 1000:.1f} ms, p99 {pct(direct, 0.99) * 1000:.1f} ms)",
+                median <= ASK_MEDIAN_S and p99 <= ASK_P99_S,
             )
         )
     if parking is not None:

@@ -27,7 +27,7 @@ from nomad_driver.blocking import Watch, backoff_delay
 from nomad_driver.config_kv import CONFIG_PREFIX, LEGACY_MODELS_KEY, StoredDefinitions, config_entries
 from nomad_driver.consul import Consul, ConsulError, ConsulUnavailable, KVEntry
 from nomad_driver.spec import Model, SpecError, parse_models
-from nomad_driver.state import STATE_PREFIX, MalformedState, ModelState, parse_state
+from nomad_driver.state import STATE_PREFIX, MalformedState, ModelState, parse_state, state_key
 from router.catalog import Fleet, Key, Replica, health_statuses, parse_instances, parse_not_passing
 from router.config import ConsulSettings
 
@@ -224,6 +224,13 @@ class Discovery:
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout):
                 await event.wait()
+
+    async def read_state(self, model: str, index: int, wait_s: float) -> tuple[int, ModelState | None]:
+        """One read of `llmgw/state/<model>` newer than `index` (0: at once): what a request
+        waiting on an activation reads, so that the attempt's answer reaches it as soon as the
+        watcher writes it, not behind the states watch's read of every model's state."""
+        new_index, entries = await self.consul.kv_get(state_key(model), index=index, wait_s=wait_s)
+        return new_index, parse_states(entries).get(model)
 
     def notify(self, model: str) -> None:
         event = self._waiters.pop(model, None)

@@ -405,6 +405,10 @@ def create_app(
             "passes": watcher.passes,
             "skipped_passes": watcher.skipped_passes,
             "last_pass_cpu_ms": round(watcher.last_pass_cpu_s * 1000, 1),
+            # Passes over every model (start, leadership, the 5-minute resync) and their cost.
+            "full_passes": watcher.marks.full_passes,
+            "last_full_pass_cpu_ms": round(watcher.last_full_pass_cpu_s * 1000, 1),
+            "models_reconciled": watcher.marks.model_passes,
             "pass_causes": dict(watcher.pass_causes),
         }
 

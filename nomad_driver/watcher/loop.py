@@ -88,7 +88,7 @@ class WatcherConfig:
     lock_delay_s: float = 1.0
     # Passes also run on this tick, for idle timeouts that expire with nothing changing.
     tick_s: float = 5.0
-    min_pass_interval_s: float = 0.2
+    min_pass_interval_s: float = 0.005
     # How long parking waits for the failed engine's stderr before falling back to Nomad's
     # task event; a pass waits this long at most, and only when a model is being parked.
     stderr_wait_s: float = 3.0
@@ -175,6 +175,7 @@ class Watcher:
         self.pass_causes: Counter[str] = Counter()
         self._verify_skips = verify_file()
         self.last_pass_cpu_s = 0.0
+        self.last_full_pass_cpu_s = 0.0
         self._tasks: list[asyncio.Task[None]] = []
         self._executor: ThreadPoolExecutor | None = None
         self._apply_lock = asyncio.Lock()
@@ -307,12 +308,15 @@ class Watcher:
         while True:
             # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a cancel that
             # lands as the event fires, and stop() then waits forever on this task.
-            wait = min(self.config.tick_s, max(0.0, self.marks.next_due() - self.clock()))
+            # Until news, a model's moment or a router's record going stale (each read moves that
+            # on), or the tick, for what no deadline names (a warning due, a pass left undone).
+            due = min(self.marks.next_due(), self.memory.readings.routers_due())
+            wait = min(self.config.tick_s, max(0.0, due - self.clock()))
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(wait):
                     await self._wake.wait()
             self._wake.clear()
-            started = time.monotonic()
+            started = time.process_time()
             try:
                 if not self._read_changes(self.clock()):
                     await self._quiet_tick()
@@ -324,9 +328,10 @@ class Watcher:
                 # A bug in one pass must not end the watcher; the next pass starts clean.
                 log.exception("event=pass_failed")
             # Routers write activity every few seconds per model, so on a big fleet something
-            # always changed; resting as long as the pass took keeps the watcher under half a
-            # core however busy the KV prefix is.
-            await asyncio.sleep(max(self.config.min_pass_interval_s, time.monotonic() - started))
+            # always changed; resting as long as the pass computed keeps the watcher under half
+            # a core however busy the KV is. Its CPU, not its time: a pass that waited on Nomad
+            # (an activation's evaluation) must not hold the next router's ask as long again.
+            await asyncio.sleep(max(self.config.min_pass_interval_s, time.process_time() - started))
 
     # Reading snapshots
 
@@ -349,9 +354,11 @@ class Watcher:
         self.pass_causes.update(self._news_from or {"tick"})
         self._news_from = set()
         now = self.clock()
-        cpu = time.process_time()
+        cpu, full_passes = time.process_time(), self.marks.full_passes
         await self._pass(now)
         self.last_pass_cpu_s = time.process_time() - cpu
+        if self.marks.full_passes != full_passes:
+            self.last_full_pass_cpu_s = self.last_pass_cpu_s
 
     async def _pass(self, now: float) -> bool:
         """One pass over the models marked for it; whether it did all it had to (what it left

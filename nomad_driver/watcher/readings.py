@@ -9,7 +9,7 @@ What a change touches:
 - KV: a model's state or activity key that moved, its model; a router's record, the models whose
   requests in flight, busy replicas or asks came out different (and every model when the routers'
   grace for the idle clock moved); the definitions, the models whose definition changed
-  (`views.py`). Consul answers a prefix whole, so finding the keys that moved costs a look at each.
+  (`marks.py`). Consul answers a prefix whole, so finding the keys that moved costs a look at each.
 - Engines: the models whose entries (their checks' indexes and statuses) moved; also one look
   at each entry, since Consul answers the service whole.
 - Jobs, allocations, evaluations: the jobs Nomad's event stream named (`feeds.py` hands them over
