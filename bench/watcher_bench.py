@@ -541,6 +541,12 @@ def measure(args: argparse.Namespace, n_models: int) -> dict[str, Any]:
                 time.sleep(10)
                 return sum(n for k, n in proxy.snapshot().items() if not k[3]) - before <= 8
 
+            # At ten thousand models that first registration is 10,000 writes: wait for all of it.
+            def registered() -> bool:
+                checks = httpx.get(f"{consul.url}/v1/health/node/llmgw-models", timeout=30).json()
+                return len(checks) >= len(models)
+
+            wait_for("every model in the Consul UI", registered, 600, 5)
             wait_for("the watcher to settle", quiet, 120, 0)
 
             def window(seconds: float) -> dict[str, Any]:

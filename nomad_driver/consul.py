@@ -250,6 +250,18 @@ class Consul:
     async def kv_get(
         self, key: str, *, recurse: bool = False, index: int = 0, wait_s: float | None = None
     ) -> tuple[int, list[KVEntry]]:
+        new_index, entries = await self.kv_changes(key, recurse=recurse, index=index, wait_s=wait_s)
+        if entries is None:
+            # Unchanged, and read again: a reader of `kv_get` always gets the entries.
+            return await self.kv_get(key, recurse=recurse)
+        return new_index, entries
+
+    async def kv_changes(
+        self, key: str, *, recurse: bool = False, index: int = 0, wait_s: float | None = None
+    ) -> tuple[int, list[KVEntry] | None]:
+        """`kv_get` for a watch: None for a blocking read that ran out at the index it was given,
+        whose answer (the whole prefix again, at ten thousand models megabytes of it) is not
+        decoded, since the watch keeps what it read at that index."""
         params = _blocking(index, wait_s)
         if recurse:
             params["recurse"] = "true"
@@ -257,6 +269,8 @@ class Consul:
             "GET", f"/v1/kv/{key}", params=params, wait_s=wait_s if index else None, ok=(200, 404)
         )
         new_index = self._index(resp, index)
+        if index and new_index == index:
+            return new_index, None
         if resp.status == 404:
             return new_index, []
         raw = self._json(resp, f"kv {key}")
@@ -372,12 +386,24 @@ class Consul:
     async def health_service(
         self, service: str, *, index: int = 0, wait_s: float | None = None, passing: bool = False
     ) -> tuple[int, list[dict[str, Any]]]:
+        new_index, entries = await self.health_changes(service, index=index, wait_s=wait_s, passing=passing)
+        if entries is None:
+            return await self.health_service(service, passing=passing)
+        return new_index, entries
+
+    async def health_changes(
+        self, service: str, *, index: int = 0, wait_s: float | None = None, passing: bool = False
+    ) -> tuple[int, list[dict[str, Any]] | None]:
+        """`health_service` for a watch: None for a blocking read that ran out unchanged (as
+        `kv_changes`)."""
         params = _blocking(index, wait_s)
         if passing:
             params["passing"] = "true"
         resp = await self._call(
             "GET", f"/v1/health/service/{service}", params=params, wait_s=wait_s if index else None
         )
+        if index and self._index(resp, index) == index:
+            return index, None
         data = self._json(resp, f"health {service}")
         if not isinstance(data, list):
             raise ConsulUnavailable(f"consul health {service}: expected a list")

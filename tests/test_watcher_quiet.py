@@ -1,7 +1,8 @@
-"""Passes skipped with nothing new to read (`nomad_driver/watcher/quiet.py`): an idle watcher
-stops reconciling every model on every tick, yet a deadline its decisions depend on (an idle
-timeout running out) still runs a pass on time, news wakes one at once, and the check the test
-suite runs every skippable pass under does catch a deadline that was missed."""
+"""A model's decision stands until its readings or a deadline it depends on move
+(`nomad_driver/watcher/quiet.py`, `marks.py`): an idle watcher stops reconciling every model on
+every tick, yet a deadline its decisions depend on (an idle timeout running out) still runs a
+pass on time, news wakes one at once, and the check the test suite runs every pass under does
+catch a deadline that was missed."""
 
 from __future__ import annotations
 
@@ -44,38 +45,38 @@ models:
 NOW = 1_800_000_000.0
 
 
-def _settled(model: Any, count: int, **view: Any) -> tuple[dict[str, ModelView], dict[str, Decision]]:
+def _settled(model: Any, count: int, **view: Any) -> tuple[ModelView, Decision]:
     """A view of `od` whose job has `count` and whose stored state is what reconcile makes of
-    it, as after the pass that wrote it: the views and decisions `quiet_until` is given."""
+    it, as after the pass that wrote it: the view and decision `model_quiet_until` is given."""
     job = render_job(model)
     job["TaskGroups"][0]["Count"] = count
     v = ModelView(model=model, job=job, now=NOW, **view)
     v = dataclasses.replace(v, state=reconcile(v).state, state_index=7)
-    return {"od": v}, {"od": reconcile(v)}
+    return v, reconcile(v)
 
 
-def test_quiet_lasts_until_the_first_deadline_a_decision_depends_on() -> None:
+def test_a_decision_stands_until_the_first_deadline_it_depends_on() -> None:
     model = parse_models(ON_DEMAND, "t").models["od"]
-    views, decisions = _settled(model, 1, activity=NOW - 4, activity_grace_s=5, load_held=1)
-    assert decisions["od"].desired == 1 and not decisions["od"].actions, decisions
+    view, decision = _settled(model, 1, activity=NOW - 4, activity_grace_s=5, load_held=1)
+    assert decision.desired == 1 and not decision.actions, decision
     # The idle timeout (10 s) plus the routers' grace (5 s) from the last request.
-    assert quiet.quiet_until(views, decisions, NOW) == NOW - 4 + 10 + 5
+    assert quiet.model_quiet_until(view, decision, NOW) == NOW - 4 + 10 + 5
 
     # A count that changed 2 s ago, with a 5 s step interval.
-    views, decisions = _settled(model, 1, activity=NOW - 1, since_step_s=2, step_interval_s=5, load_held=1)
-    assert quiet.quiet_until(views, decisions, NOW) == NOW + 3
+    view, decision = _settled(model, 1, activity=NOW - 1, since_step_s=2, step_interval_s=5, load_held=1)
+    assert quiet.model_quiet_until(view, decision, NOW) == NOW + 3
 
-    # Nothing the clock can change: the backstop, a full pass every few minutes.
-    views, decisions = _settled(model, 0, activity=NOW - 600, load_held=0)
-    assert not decisions["od"].actions
-    assert quiet.quiet_until(views, decisions, NOW) == NOW + quiet.FULL_PASS_EVERY_S
+    # Nothing the clock can change: it stands until something is read (or the resync).
+    view, decision = _settled(model, 0, activity=NOW - 600, load_held=0)
+    assert not decision.actions
+    assert quiet.model_quiet_until(view, decision, NOW) == float("inf")
 
-    # Requests in flight, or something to do: the next pass runs whatever the clock says.
-    views, decisions = _settled(model, 1, in_flight=2, activity=NOW, load_held=1)
-    assert quiet.quiet_until(views, decisions, NOW) <= NOW
-    views, decisions = _settled(model, 0, activity=NOW - 1, load_held=0)
-    assert decisions["od"].actions  # asked for within idle_timeout at count 0: a scale to 1
-    assert quiet.quiet_until(views, decisions, NOW) <= NOW
+    # Requests in flight, or something to do: the next pass takes it whatever the clock says.
+    view, decision = _settled(model, 1, in_flight=2, activity=NOW, load_held=1)
+    assert quiet.model_quiet_until(view, decision, NOW) <= NOW
+    view, decision = _settled(model, 0, activity=NOW - 1, load_held=0)
+    assert decision.actions  # asked for within idle_timeout at count 0: a scale to 1
+    assert quiet.model_quiet_until(view, decision, NOW) <= NOW
 
 
 def _snapshots(w: Watcher, model_text: str, activity: float) -> None:

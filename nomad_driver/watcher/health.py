@@ -9,8 +9,10 @@ duplicates. Entries for models no longer defined are removed by whichever watche
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Iterable, Mapping
+import math
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from nomad_driver.consul import Consul
@@ -56,11 +58,19 @@ class HealthEntries:
             known[sid[len(SERVICE) + 1 :]] = Entry(str(check.get("Status", "")), str(check.get("Output", "")))
         return known
 
-    async def sync(self, desired: Mapping[str, Entry], gone: Iterable[str] | None = None) -> int:
+    async def sync(
+        self,
+        desired: Mapping[str, Entry],
+        gone: Iterable[str] | None = None,
+        within: Callable[[], float] = lambda: math.inf,
+    ) -> int:
         """Register changed entries and remove stale ones: all the others (`gone` None: the
-        models of a full pass), or those named; returns how many writes it made."""
+        models of a full pass), or those named; returns how many writes it made. Each call to
+        Consul must answer `within()` seconds (TimeoutError): a leader's first sync of ten
+        thousand models takes longer than its lease, one write never should."""
         if self._known is None:
-            self._known = await self._load()
+            async with asyncio.timeout(within()):
+                self._known = await self._load()
         # The Consul UI shows the output to anyone with catalog read; redacted before comparing,
         # so that what was written compares equal to what is read back.
         desired = {m: Entry(e.status, redact(e.output)) for m, e in desired.items()}
@@ -68,12 +78,14 @@ class HealthEntries:
         for model, entry in sorted(desired.items()):
             if self._known.get(model) == entry:
                 continue
-            await self.consul.catalog_register(self._body(model, entry))
+            async with asyncio.timeout(within()):
+                await self.consul.catalog_register(self._body(model, entry))
             self._known[model] = entry
             writes += 1
         stale = set(self._known) - set(desired) if gone is None else set(gone) & set(self._known)
         for model in sorted(stale):
-            await self.consul.catalog_deregister(self.node, service_id(model))
+            async with asyncio.timeout(within()):
+                await self.consul.catalog_deregister(self.node, service_id(model))
             del self._known[model]
             writes += 1
         return writes

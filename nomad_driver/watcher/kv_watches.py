@@ -28,7 +28,7 @@ from nomad_driver.watcher.readings import KVParts
 from nomad_driver.watcher.watch import kv_fetch
 
 # A router's ask is read within this long of the last read at most, however fast asks come.
-ROUTERS_RATE_PER_S = 100.0
+ROUTERS_RATE_PER_S = 50.0
 
 PREFIXES = (CONFIG_PREFIX, STATE_PREFIX, ACTIVITY_PREFIX, INFLIGHT_PREFIX)
 

@@ -88,7 +88,7 @@ class WatcherConfig:
     lock_delay_s: float = 1.0
     # Passes also run on this tick, for idle timeouts that expire with nothing changing.
     tick_s: float = 5.0
-    min_pass_interval_s: float = 0.005
+    min_pass_interval_s: float = 0.02
     # How long parking waits for the failed engine's stderr before falling back to Nomad's
     # task event; a pass waits this long at most, and only when a model is being parked.
     stderr_wait_s: float = 3.0
@@ -444,15 +444,17 @@ class Watcher:
                     self.broken.succeeded(name, "apply")
             await self._forget_gone_routers()
             try:
-                # Within the lease: a Consul that hangs must not hold the pass, and with it the
-                # next leader-only step, past the moment this watcher may still act.
-                async with asyncio.timeout(max(0.1, self.leadership.lease_left())):
-                    await self.health.sync(
-                        {n: Entry(d.health, d.health_output) for n, d in decisions.items()},
-                        gone=None if full else gone,
-                    )
+                # Each write within the lease: a Consul that hangs must not hold the pass, and
+                # with it the next leader-only step, past the moment this watcher may still act.
+                await self.health.sync(
+                    {n: Entry(d.health, d.health_output) for n, d in decisions.items()},
+                    gone=None if full else gone,
+                    within=lambda: max(0.1, self.leadership.lease_left()),
+                )
             except (ConsulError, TimeoutError) as exc:
+                # What the catalog holds now is unknown: read again and set whole, every model.
                 self.health.forget()
+                self.marks.all()
                 log.warning("event=health_sync_failed error=%r", str(exc) or type(exc).__name__)
                 return False
         return complete

@@ -9,8 +9,10 @@ every other model's last decision stands, which is exactly what a pass over it w
 since `reconcile` is a pure function of the view and nothing in its view moved.
 
 Everything is marked (a full pass) at the start, on a leadership change, after a pass that could
-not do all it had to, and every `FULL_PASS_EVERY_S`: the safety net for a change no reading told
-of. The test suite runs every pass over every model and fails on any model whose decision came
+not do all it had to, after the catalog could not be set, and every `RESYNC_EVERY_S`: the safety
+net for a change no reading told of. The feeds' own lists again (every 5 minutes, `feeds.py`)
+mark every model when they find what the watcher held was wrong; this pass is for a change the
+marks themselves would miss, and at ten thousand models costs seconds of CPU, so it is rare. The test suite runs every pass over every model and fails on any model whose decision came
 out different from the one that stood (`quiet.py`'s check, `LLMGW_VERIFY_SKIPPED_PASSES`).
 """
 
@@ -26,15 +28,16 @@ from nomad_driver.placement import PlacementWarnings
 from nomad_driver.spec import Model
 from nomad_driver.watcher.feeds import _Feed
 from nomad_driver.watcher.kv_watches import KVWatches
-from nomad_driver.watcher.quiet import FULL_PASS_EVERY_S
 from nomad_driver.watcher.readings import touched_models
 from nomad_driver.watcher.replicas import node_fabrics
 from nomad_driver.watcher.rollout import job_ids
 from nomad_driver.watcher.views import ViewBuilder
 
+RESYNC_EVERY_S = 1800.0
+
 
 class Marks:
-    def __init__(self, full_every_s: float = FULL_PASS_EVERY_S) -> None:
+    def __init__(self, full_every_s: float = RESYNC_EVERY_S) -> None:
         self.full_every_s = full_every_s
         self.everything = True
         self.models: set[str] = set()

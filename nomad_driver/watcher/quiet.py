@@ -1,21 +1,17 @@
-"""When a pass may be skipped: nothing it reads has changed and the clock has crossed no
-deadline that a decision depends on.
+"""When a model's decision stands with nothing new to read: the clock's part in `marks.py`.
 
 `reconcile` is a pure function of its view, and the clock reaches a view only through a few
 deadlines: a request's idle timeout running out, the step interval, the load history's window
-and held peak, a router's in-flight record going stale (the watcher adds the last two). A pass
-woken only by the tick, with no snapshot changed since the last pass and none of those deadlines
-passed, would decide exactly what the last one did. Skipping it is what makes an idle fleet
-cost its long polls, not a pass over every model on every tick: 250 ms of CPU each at 1,000
-models (bench/watcher_bench.py).
+and held peak, a router's in-flight record going stale (the watcher adds the last two). A model
+none of whose readings changed and none of whose deadlines passed would decide exactly what it
+did; it is left out of the pass. What is never left out: a model whose last decision had
+something to do (an action, which may have failed and is asked again), saw requests in flight
+(the routers rewrite their records meanwhile anyway) or held a step back (its message counts the
+seconds down).
 
-Never skipped: a pass after one that had something to do (an action, which may have failed and
-is asked again), saw requests in flight (the routers rewrite their records meanwhile anyway) or
-held a step back (its message counts the seconds down); and one every `FULL_PASS_EVERY_S`.
-
-`LLMGW_VERIFY_SKIPPED_PASSES=<file>` runs the skippable passes anyway and appends a line to the
-file for every model whose decision came out different; the test suite sets it and fails on any
-line (tests/conftest.py).
+`LLMGW_VERIFY_SKIPPED_PASSES=<file>` reconciles every model at every pass anyway and appends a
+line to the file for every model left out whose decision came out different; the test suite sets
+it and fails on any line (tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -30,16 +26,7 @@ from nomad_driver.watcher.decisions import Decision, ModelView
 
 log = logging.getLogger("llmgw.watcher")
 
-FULL_PASS_EVERY_S = 300.0
 VERIFY_ENV = "LLMGW_VERIFY_SKIPPED_PASSES"
-
-
-def quiet_until(views: Mapping[str, ModelView], decisions: Mapping[str, Decision], now: float) -> float:
-    """Until when a pass with nothing new to read decides what `decisions` say, by the views'
-    own deadlines; at or before `now`: the next pass is not to be skipped."""
-    return min(
-        [now + FULL_PASS_EVERY_S, *(model_quiet_until(views[n], d, now) for n, d in decisions.items())]
-    )
 
 
 def model_quiet_until(view: ModelView, d: Decision, now: float) -> float:

@@ -24,8 +24,9 @@ def kv_fetch(
     consul: Consul, prefix: str, wait_s: float
 ) -> Callable[[int], Awaitable[tuple[int, dict[str, KVEntry]]]]:
     async def fetch(index: int) -> tuple[int, dict[str, KVEntry]]:
-        new_index, entries = await consul.kv_get(prefix, recurse=True, index=index, wait_s=wait_s)
-        return new_index, {e.key: e for e in entries}
+        new_index, entries = await consul.kv_changes(prefix, recurse=True, index=index, wait_s=wait_s)
+        # Unchanged (None): the watch keeps its reading at this index, whatever is returned.
+        return new_index, {e.key: e for e in entries or ()}
 
     return fetch
 
@@ -34,8 +35,8 @@ def engines_fetch(
     consul: Consul, service: str, wait_s: float
 ) -> Callable[[int], Awaitable[tuple[int, tuple[dict[str, Any], ...]]]]:
     async def fetch(index: int) -> tuple[int, tuple[dict[str, Any], ...]]:
-        new_index, entries = await consul.health_service(service, index=index, wait_s=wait_s)
-        return new_index, tuple(entries)
+        new_index, entries = await consul.health_changes(service, index=index, wait_s=wait_s)
+        return new_index, tuple(entries or ())
 
     return fetch
 
