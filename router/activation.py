@@ -303,6 +303,10 @@ class Activator:
             await reader.wait(remaining)
 
 
+# Models whose waiting requests read their state key at once; more wait on the snapshot alone.
+MAX_STATE_READS = 8
+
+
 class _StateReader:
     """The model's state key, read with a blocking query of its own while a request waits on
     an activation, beside the snapshot's wake-ups (`Discovery.read_state`). A read that fails
@@ -318,7 +322,7 @@ class _StateReader:
 
     async def wait(self, timeout: float) -> None:
         """Until the snapshot may have changed for the model, the key changed, or `timeout`."""
-        if self._read is None and not self._failed:
+        if self._read is None and not self._failed and self.discovery.state_reads < MAX_STATE_READS:
             self._read = asyncio.create_task(self.discovery.read_state(self.model, self._index, timeout))
         changed = asyncio.create_task(self.discovery.wait_change(self.model, timeout))
         waiting: set[asyncio.Future[Any]] = {changed} if self._read is None else {changed, self._read}
