@@ -42,7 +42,6 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from nomad_driver.spec import Model
 from nomad_driver.state import Ask, ModelState
@@ -249,16 +248,6 @@ class Activator:
         ask = self.ask(model.name, seen)
         window = self.timeouts.evaluation_s
         deadline = time.monotonic() + window
-        reader = _StateReader(self.discovery, model.name)
-        try:
-            return await self._wait_for_answer(model, ask, deadline, reader)
-        finally:
-            reader.close()
-
-    async def _wait_for_answer(
-        self, model: Model, ask: Ask, deadline: float, reader: _StateReader
-    ) -> AttemptResult:
-        window = self.timeouts.evaluation_s
         while True:
             snapshot = self.discovery.snapshot
             state = snapshot.states.get(model.name)
@@ -267,15 +256,8 @@ class Activator:
                 # Served, or refused as parked or removed, by the waiting loop: no watcher
                 # answers for a model it no longer has or will not place.
                 return AttemptResult(placed=True, finished=time.monotonic(), asked=False)
-            attempt = next(
-                (
-                    s.attempt
-                    for s in (state, reader.state)
-                    if s is not None and s.attempt is not None and s.attempt.answers(ask)
-                ),
-                None,
-            )
-            if attempt is not None:
+            attempt = state.attempt if state is not None else None
+            if attempt is not None and attempt.answers(ask):
                 now = time.monotonic()
                 if attempt.result == "unplaceable":
                     return AttemptResult(
@@ -300,48 +282,7 @@ class Activator:
                     ),
                     finished=time.monotonic(),
                 )
-            await reader.wait(remaining)
-
-
-# Models whose waiting requests read their state key at once; more wait on the snapshot alone.
-MAX_STATE_READS = 8
-
-
-class _StateReader:
-    """The model's state key, read with a blocking query of its own while a request waits on
-    an activation, beside the snapshot's wake-ups (`Discovery.read_state`). A read that fails
-    is not tried again for this wait: the snapshot still brings the answer."""
-
-    def __init__(self, discovery: Discovery, model: str) -> None:
-        self.discovery = discovery
-        self.model = model
-        self.state: ModelState | None = None
-        self._index = 0
-        self._read: asyncio.Task[tuple[int, ModelState | None]] | None = None
-        self._failed = False
-
-    async def wait(self, timeout: float) -> None:
-        """Until the snapshot may have changed for the model, the key changed, or `timeout`."""
-        if self._read is None and not self._failed and self.discovery.state_reads < MAX_STATE_READS:
-            self._read = asyncio.create_task(self.discovery.read_state(self.model, self._index, timeout))
-        changed = asyncio.create_task(self.discovery.wait_change(self.model, timeout))
-        waiting: set[asyncio.Future[Any]] = {changed} if self._read is None else {changed, self._read}
-        try:
-            await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            changed.cancel()
-        if self._read is not None and self._read.done():
-            read, self._read = self._read, None
-            try:
-                self._index, self.state = read.result()
-            except Exception as exc:  # Consul refused or went away: the snapshot carries on
-                self._failed = True
-                log.debug("reading %s's state for its activation failed: %s", self.model, exc)
-
-    def close(self) -> None:
-        if self._read is not None:
-            self._read.cancel()
-            self._read = None
+            await self.discovery.wait_change(model.name, remaining)
 
 
 def _placement_mark(state: ModelState | None) -> tuple[str, float]:
