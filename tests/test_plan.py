@@ -356,7 +356,11 @@ def test_apply_in_a_terminal_with_nothing_to_do_asks_nothing(cluster: StandIn, d
     assert code == 0, out
     assert "[y/N]" not in out and "4 unchanged; nothing to do" in out
     assert "applied 4 models: 0 registered, 4 unchanged" in out
-    assert nomad_indexes(cluster.url) == before
+    # What apply writes (a job, and the evaluation each register makes) is unchanged. The
+    # allocations' index is left out: the first apply's allocations still start or fail on the
+    # client meanwhile, on a loaded machine (CI: 13 before, 16 after), whatever apply does.
+    after = nomad_indexes(cluster.url)
+    assert {k: after[k] for k in ("jobs", "evaluations")} == {k: before[k] for k in ("jobs", "evaluations")}
 
 
 ROLLOUT = """
