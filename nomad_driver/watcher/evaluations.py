@@ -24,7 +24,7 @@ from typing import Any
 from nomad_driver.fields import as_int
 from nomad_driver.nomad import JOB_PREFIX, Nomad
 from nomad_driver.watcher.decisions import ModelView
-from nomad_driver.watcher.feeds import READ_EACH_UP_TO, ByJob, _Feed
+from nomad_driver.watcher.feeds import READ_EACH_UP_TO, ByJob, _Feed, per_job
 from nomad_driver.watcher.job_facts import job_group
 
 # Allocations that hold (or are about to hold) a replica's place.
@@ -124,13 +124,7 @@ class EvaluationFeed(_Feed[tuple[dict[str, Any], ...]]):
 
     def _refresh(self, jobs: Iterable[str] | None = None) -> None:
         """A new reading (`jobs`: those whose evaluations moved; None: every one)."""
-        by_job = dict(self.indexed.by_job) if jobs is not None else {}
-        for job in self.by_job if jobs is None else jobs:
-            held = self.by_job.get(job)
-            if held:
-                by_job[job] = tuple(held.values())
-            else:
-                by_job.pop(job, None)
+        by_job = per_job(self.indexed.by_job, self.by_job, jobs)
         self._data = tuple(chain.from_iterable(by_job.values()))
         self.indexed = ByJob(self._data, by_job)
 

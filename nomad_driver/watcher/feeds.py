@@ -185,15 +185,10 @@ class AllocationFeed(_Feed[tuple[dict[str, Any], ...]]):
     def _publish(self, jobs: set[str] | None) -> None:
         """A new reading (`jobs`: those whose entries moved; None: every one)."""
         self._data = tuple(self.by_id.values())
-        by_job = dict(self.indexed.by_job) if jobs is not None else {}
-        for job in self._job_allocs if jobs is None else jobs:
-            entries = self._job_allocs.get(job)
-            if entries:
-                by_job[job] = tuple(entries.values())
-            else:
-                by_job.pop(job, None)
+        self.indexed = ByJob(self._data, per_job(self.indexed.by_job, self._job_allocs, jobs))
+        for job in jobs or ():
+            if not self._job_allocs.get(job):
                 self._job_allocs.pop(job, None)
-        self.indexed = ByJob(self._data, by_job)
 
     async def apply(self, events: list[dict[str, Any]]) -> bool:
         changed = False
@@ -245,6 +240,24 @@ class ByJob:
 
     data: tuple[dict[str, Any], ...]
     by_job: dict[str, tuple[dict[str, Any], ...]]
+
+
+def per_job(
+    held: Mapping[str, tuple[dict[str, Any], ...]],
+    entries: Mapping[str, Mapping[str, dict[str, Any]]],
+    jobs: Iterable[str] | None,
+) -> dict[str, tuple[dict[str, Any], ...]]:
+    """A new per-job index: `held`'s, with the `jobs` whose entries moved made again from
+    `entries` (job -> entries by ID); every job made again when `jobs` is None. A copy, so a
+    reading handed out before never changes."""
+    by_job = dict(held) if jobs is not None else {}
+    for job in entries if jobs is None else jobs:
+        found = entries.get(job)
+        if found:
+            by_job[job] = tuple(found.values())
+        else:
+            by_job.pop(job, None)
+    return by_job
 
 
 def _holding(alloc: Mapping[str, Any]) -> tuple[Any, ...]:
