@@ -6,9 +6,11 @@ Every watcher the suite starts, in this process or as `llmgw watcher`, runs the 
 skip as quiet anyway and writes down any model whose decision came out different
 (`nomad_driver/watcher/quiet.py`); one such line fails the run, whichever test it came from."""
 
+import json
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -64,12 +66,28 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.external)
 
 
-def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+def _skip_check_lines() -> list[str]:
     path = Path(os.environ.get(VERIFY_ENV, str(_SKIP_CHECKS)))
-    found = path.read_text(encoding="utf-8").splitlines() if path.exists() else []
-    if found:
-        print(
-            f"\n{len(found)} skippable watcher passes decided otherwise than the pass before (from {path}):"
-        )
-        print("\n".join(found[:20]))
+    return path.read_text(encoding="utf-8").splitlines() if path.exists() else []
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if _skip_check_lines():
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """Printed last, after the durations: CI keeps only the tail of the output."""
+    found = _skip_check_lines()
+    if not found:
+        return
+    terminalreporter.write_sep(
+        "=", f"{len(found)} skippable watcher passes decided otherwise than the pass before"
+    )
+    for line in found[:20]:
+        try:
+            d = json.loads(line)
+            terminalreporter.write_line(f"{d['model']}: {', '.join(d['differs'])} (during {d['during']})")
+        except (ValueError, KeyError, TypeError):
+            terminalreporter.write_line(line[:300])

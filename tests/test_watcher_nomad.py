@@ -16,7 +16,8 @@ import pytest
 from nomad_driver.consul import Consul
 from nomad_driver.nomad import Nomad
 from nomad_driver.spec import parse_models
-from nomad_driver.state import CONFIG_MODELS_KEY, ModelState, inflight_key
+from nomad_driver.state import CONFIG_MODELS_KEY, ModelState, inflight_key, state_key
+from nomad_driver.watcher.decisions import Decision
 from nomad_driver.watcher.loop import Watcher
 from tests.watcher_support import (
     engines_dir,
@@ -287,3 +288,42 @@ def test_the_watchers_register_only_lands_over_the_job_version_it_saw(
     with pytest.raises(NomadError, match="Enforcing job modify index 0"):
         nomad.register_job(job, enforce_index=0)
     assert nomad.get_job(model.job_id)["Meta"]["note"] == "newer"
+
+
+def quiet_and_parked(d: Decision) -> bool:
+    return d.state.parked and not d.actions and d.ready == d.starting == 0
+
+
+async def test_the_pass_after_a_retry_decides_the_model_from_the_retry_not_a_pass_later(
+    world_factory: Callable[..., Awaitable[World]], tmp_path: Path
+) -> None:
+    # The retry's write is the leader's own: the pass it wakes must decide the model from it,
+    # not from the state watch's read-back, which a busy state prefix holds back a tenth of a
+    # second (that pass would leave the model out, and show it parked one pass longer). Every
+    # watcher in the suite also runs the passes the marks leave out and writes down each
+    # decision that came out different: here, into this file.
+    text = models_text(crash=("file:///tmp/crash.gguf", "cpu", 1))
+    model = parse_models(text).models["crash"]
+    world = await world_factory(text)
+    world.nomad.register_job(mock_job(model, 0))
+    differences = tmp_path / "differences.jsonl"
+    world.watcher._verify_skips = str(differences)
+    await world.watcher.start()
+    watcher = world.watcher
+    await until(lambda: watcher.leadership.is_leader and "crash" in watcher.decisions, 30, "a first pass")
+    for round_ in range(6):
+        parked = ModelState(
+            parked=True, consecutive_failures=5, last_error=f"boom {round_}", parked_def_hash=model.def_hash
+        )
+        await world.consul.kv_put(state_key("crash"), parked.to_kv())
+        # Parked and settled: nothing left to do, so no clock of its own marks it again.
+        await until(lambda: quiet_and_parked(watcher.decisions["crash"]), 20, "crash parked", every=0.01)
+        await asyncio.sleep(0.3)
+        for i in range(3):  # a busy state prefix: the watch spends its burst of reads
+            await world.consul.kv_put(state_key(f"elsewhere-{i}"), b"{}")
+        await watcher.retry("crash")
+        passes = watcher.passes
+        await until(lambda p=passes: watcher.passes >= p + 2, 10, "two passes after the retry", every=0.01)
+        assert not watcher.decisions["crash"].state.parked, round_
+    lines = differences.read_text().splitlines() if differences.exists() else []
+    assert not lines, lines[:2]

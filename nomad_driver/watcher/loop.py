@@ -493,6 +493,8 @@ class Watcher:
                 state = retried(view)
                 if await self.states.write(model, state, view.state_index):
                     log.info("event=retried model=%s", model)
+                    # Decided from this write (`states.pending`): the read-back may come later.
+                    self.marks.touch((model,))
                     self.wake("retry")
                     return state
         raise ConsulUnavailable(f"could not write {state_key(model)}; try again")

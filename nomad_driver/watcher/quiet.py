@@ -16,6 +16,7 @@ it and fails on any line (tests/conftest.py).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -53,8 +54,18 @@ def verify_file() -> str:
 
 def record_differences(path: str, before: Mapping[str, Decision], after: Mapping[str, Decision]) -> int:
     """Append each model whose decision a skippable pass changed to `path`; how many."""
+    # The test that ran it: a watcher process inherits it from the test that started it.
+    during = os.environ.get("PYTEST_CURRENT_TEST", "")
     lines = [
-        json.dumps({"model": name, "skipped": repr(before.get(name)), "ran": repr(after.get(name))})
+        json.dumps(
+            {
+                "model": name,
+                "during": during,
+                "differs": differing_fields(before.get(name), after.get(name)),
+                "skipped": repr(before.get(name)),
+                "ran": repr(after.get(name)),
+            }
+        )
         for name in sorted(before.keys() | after.keys())
         if before.get(name) != after.get(name)
     ]
@@ -63,3 +74,16 @@ def record_differences(path: str, before: Mapping[str, Decision], after: Mapping
         with open(path, "a", encoding="utf-8") as f:
             f.write("".join(line + "\n" for line in lines))
     return len(lines)
+
+
+def differing_fields(a: Decision | None, b: Decision | None) -> list[str]:
+    """Which of two decisions' fields differ (a state's, one by one): what the check prints."""
+    if a is None or b is None:
+        return ["missing"]
+    names = [f.name for f in dataclasses.fields(a) if getattr(a, f.name) != getattr(b, f.name)]
+    if "state" in names and a.state is not None and b.state is not None:
+        names.remove("state")
+        names += [
+            f"state.{k}" for k in type(a.state).model_fields if getattr(a.state, k) != getattr(b.state, k)
+        ]
+    return names
