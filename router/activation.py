@@ -42,6 +42,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from nomad_driver.spec import Model
 from nomad_driver.state import Ask, ModelState
@@ -64,6 +65,9 @@ class AttemptResult:
     # False when no attempt was needed after all (a replica became ready, or the model was
     # parked, before the watcher answered): nothing to count, and no demand to note.
     asked: bool = True
+    # The state whose attempt answered: read on the request's own blocking read, it may be
+    # newer than the snapshot the waiting loop goes on to read.
+    word: ModelState | None = None
 
 
 @dataclass
@@ -156,7 +160,9 @@ class Activator:
         # placed is about an evaluation no newer than the attempt's: only a later word counts.
         # Taken at arrival instead, a "no room" the watcher found while the attempt ran (before
         # another model was scaled down to make room) refused a request Nomad had just placed.
-        known = _placement_mark(self.discovery.snapshot.states.get(model.name))
+        # The word that answered may be newer than the snapshot, which then shows older words
+        # (the attempt before this one's "no room") before it catches up: those are not later.
+        known = _newer(self.discovery.snapshot.states.get(model.name), result.word)
         window = model.activation_timeout_s
         deadline = arrived + window
         while True:
@@ -177,7 +183,7 @@ class Activator:
         snapshot: Snapshot,
         room: Room,
         refusals_seen: int,
-        known: tuple[str, float],
+        known: ModelState | None,
         own_eval: str,
     ) -> RouterError | None:
         """Why a placed request should stop waiting before its window ends, if it should: the
@@ -197,7 +203,8 @@ class Activator:
             state is not None
             and state.unplaceable
             and state.placement_eval != own_eval
-            and _placement_mark(state) != known
+            and _placement_mark(state) != _placement_mark(known)
+            and (known is None or state.updated_at > known.updated_at)
         ):
             # The watcher saw a later evaluation of the job (a rescheduled or replacement
             # allocation) fail to place.
@@ -248,6 +255,16 @@ class Activator:
         ask = self.ask(model.name, seen)
         window = self.timeouts.evaluation_s
         deadline = time.monotonic() + window
+        reader = _StateReader(self.discovery, model.name)
+        try:
+            return await self._wait_for_answer(model, ask, deadline, reader)
+        finally:
+            reader.close()
+
+    async def _wait_for_answer(
+        self, model: Model, ask: Ask, deadline: float, reader: _StateReader
+    ) -> AttemptResult:
+        window = self.timeouts.evaluation_s
         while True:
             snapshot = self.discovery.snapshot
             state = snapshot.states.get(model.name)
@@ -256,8 +273,16 @@ class Activator:
                 # Served, or refused as parked or removed, by the waiting loop: no watcher
                 # answers for a model it no longer has or will not place.
                 return AttemptResult(placed=True, finished=time.monotonic(), asked=False)
-            attempt = state.attempt if state is not None else None
-            if attempt is not None and attempt.answers(ask):
+            word = next(
+                (
+                    s
+                    for s in (state, reader.state)
+                    if s is not None and s.attempt is not None and s.attempt.answers(ask)
+                ),
+                None,
+            )
+            if word is not None and word.attempt is not None:
+                attempt = word.attempt
                 now = time.monotonic()
                 if attempt.result == "unplaceable":
                     return AttemptResult(
@@ -270,7 +295,7 @@ class Activator:
                         error=activation_failed(model, f"the watcher could not scale it: {attempt.reason}"),
                         finished=now,
                     )
-                return AttemptResult(placed=True, eval_id=attempt.eval, finished=now)
+                return AttemptResult(placed=True, eval_id=attempt.eval, finished=now, word=word)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return AttemptResult(
@@ -282,7 +307,55 @@ class Activator:
                     ),
                     finished=time.monotonic(),
                 )
-            await self.discovery.wait_change(model.name, remaining)
+            await reader.wait(remaining)
+
+
+# Models whose waiting requests read their state key at once; more wait on the snapshot alone.
+MAX_STATE_READS = 8
+
+
+class _StateReader:
+    """The model's state key, read with a blocking query of its own while a request waits on
+    an activation, beside the snapshot's wake-ups (`Discovery.read_state`). A read that fails
+    is not tried again for this wait: the snapshot still brings the answer."""
+
+    def __init__(self, discovery: Discovery, model: str) -> None:
+        self.discovery = discovery
+        self.model = model
+        self.state: ModelState | None = None
+        self._index = 0
+        self._read: asyncio.Task[tuple[int, ModelState | None]] | None = None
+        self._failed = False
+
+    async def wait(self, timeout: float) -> None:
+        """Until the snapshot may have changed for the model, the key changed, or `timeout`."""
+        if self._read is None and not self._failed and self.discovery.state_reads < MAX_STATE_READS:
+            self._read = asyncio.create_task(self.discovery.read_state(self.model, self._index, timeout))
+        changed = asyncio.create_task(self.discovery.wait_change(self.model, timeout))
+        waiting: set[asyncio.Future[Any]] = {changed} if self._read is None else {changed, self._read}
+        try:
+            await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            changed.cancel()
+        if self._read is not None and self._read.done():
+            read, self._read = self._read, None
+            try:
+                self._index, self.state = read.result()
+            except Exception as exc:  # Consul refused or went away: the snapshot carries on
+                self._failed = True
+                log.debug("reading %s's state for its activation failed: %s", self.model, exc)
+
+    def close(self) -> None:
+        if self._read is not None:
+            self._read.cancel()
+            self._read = None
+
+
+def _newer(a: ModelState | None, b: ModelState | None) -> ModelState | None:
+    """The later of two words of the watcher's on one model."""
+    if a is None or b is None:
+        return a or b
+    return b if b.updated_at > a.updated_at else a
 
 
 def _placement_mark(state: ModelState | None) -> tuple[str, float]:

@@ -42,7 +42,7 @@ Writer = Callable[[str, str], Awaitable[None]]
 # model, on no replica.
 WAITING = ""
 # Prompt writes (an ask, a burst) are at most this often: a storm of asks is one write.
-PROMPT_GAP_S = 0.1
+PROMPT_GAP_S = 0.02
 # An ask is a time in milliseconds (as published); one after another is at least this much later.
 ASK_STEP_S = 0.001
 

@@ -27,7 +27,7 @@ from nomad_driver.blocking import Watch, backoff_delay
 from nomad_driver.config_kv import CONFIG_PREFIX, LEGACY_MODELS_KEY, StoredDefinitions, config_entries
 from nomad_driver.consul import Consul, ConsulError, ConsulUnavailable, KVEntry
 from nomad_driver.spec import Model, SpecError, parse_models
-from nomad_driver.state import STATE_PREFIX, MalformedState, ModelState, parse_state
+from nomad_driver.state import STATE_PREFIX, MalformedState, ModelState, parse_state, state_key
 from router.catalog import Fleet, Key, Replica, health_statuses, parse_instances, parse_not_passing
 from router.config import ConsulSettings
 
@@ -148,6 +148,9 @@ class Discovery:
         self._checks_index = 0  # of the checks the fleet shows
         self._on_change = on_change
         self._waiters: dict[str, asyncio.Event] = {}
+        # Blocking reads of one model's state under way (`read_state`): each holds one of the
+        # client's connections, which the watches and the writes need too.
+        self.state_reads = 0
         self._tasks: list[asyncio.Task[None]] = []
         # Times each watch died and was started again (llmgw_router_watch_restarts_total).
         self.restarts: Counter[str] = Counter()
@@ -224,6 +227,17 @@ class Discovery:
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout):
                 await event.wait()
+
+    async def read_state(self, model: str, index: int, wait_s: float) -> tuple[int, ModelState | None]:
+        """One read of `llmgw/state/<model>` newer than `index` (0: at once): what a request
+        waiting on an activation reads, so that the attempt's answer reaches it as soon as the
+        watcher writes it, not behind the states watch's read of every model's state."""
+        self.state_reads += 1
+        try:
+            new_index, entries = await self.consul.kv_get(state_key(model), index=index, wait_s=wait_s)
+        finally:
+            self.state_reads -= 1
+        return new_index, parse_states(entries).get(model)
 
     def notify(self, model: str) -> None:
         event = self._waiters.pop(model, None)

@@ -69,11 +69,6 @@ models:
     profile: small
     replicas: {{min: 0, max: 1}}
     activation_timeout: 90s
-  brief:
-    source: file://{tiny}
-    profile: small
-    replicas: {{min: 0, max: 1}}
-    activation_timeout: 1s
   phi-4:
     source: file://{tiny}
     profile: huge
@@ -191,7 +186,7 @@ def make_fleet(
         nomad_url = nomad_front(standin.url) if nomad_front else standin.url
         router = start_router(consul_url, activation=True, **router_overrides)
         router.wait_ready("tiny", 0)
-        wait_until(lambda: len(router.app.discovery.snapshot.models) == 5, 10, "the five models")
+        wait_until(lambda: len(router.app.discovery.snapshot.models) == 4, 10, "the four models")
         running = watcher_for(consul_url, nomad_url) if watcher else None
         if running is not None:
             wait_until(running.leads_and_acts, 30, "the watcher to lead with every watch read")
