@@ -31,6 +31,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from nomad_driver.blocking import TokenBucket
 from nomad_driver.state import Ask, activity_key, inflight_key
 from router.discovery import ConsulUnavailable
 
@@ -41,8 +42,11 @@ Writer = Callable[[str, str], Awaitable[None]]
 # The "replica" of a request still waiting for one (activation): counted as in flight for the
 # model, on no replica.
 WAITING = ""
-# Prompt writes (an ask, a burst) are at most this often: a storm of asks is one write.
+# Prompt writes (an ask, a burst) are at most this often once a few came in a row: a storm of
+# asks is one write, while an ask that follows a write by less than the gap (the next request
+# of a client that was just answered) still goes at once.
 PROMPT_GAP_S = 0.02
+PROMPT_BURST = 3
 # An ask is a time in milliseconds (as published); one after another is at least this much later.
 ASK_STEP_S = 0.001
 
@@ -75,6 +79,7 @@ class ActivityRecorder:
         # Requests per model as last published: twice that is a burst worth writing at once.
         self._published: dict[str, int] = {}
         self._wake = asyncio.Event()
+        self._prompt_writes = TokenBucket(1 / PROMPT_GAP_S, PROMPT_BURST)
 
     def ask(self, model: str, after: float = 0.0) -> Ask:
         """A request found no ready replica: publish an ask at once and return it; the leader's
@@ -175,8 +180,8 @@ class ActivityRecorder:
                 async with asyncio.timeout(self.interval_s):
                     await self._wake.wait()
             self._wake.clear()
+            await self._prompt_writes.take()
             await self.flush()
-            await asyncio.sleep(PROMPT_GAP_S)
 
     async def flush(self) -> None:
         pending, self._pending = self._pending, {}

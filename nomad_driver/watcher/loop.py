@@ -126,7 +126,7 @@ class Watcher:
         self.health = HealthEntries(consul)
         self.warnings = PlacementWarnings(clock)
         self._routers_checked_at = 0.0
-        self._wake = asyncio.Event()
+        self._wake, self._routers_wrote = asyncio.Event(), asyncio.Event()
         w = self.config.wait_s
         # `llmgw/`, a blocking read per prefix (`kv_watches.py`).
         self.kv = KVWatches(consul, w, self.wake)
@@ -250,6 +250,8 @@ class Watcher:
     def wake(self, cause: str = "wake") -> None:
         self._news_from.add(cause)
         self._wake.set()
+        if cause == self.kv.routers.name:
+            self._routers_wrote.set()
 
     def _feed_read(self, name: str, feed: _Feed[Any]) -> None:
         self.changes.feed_read(name, feed)
@@ -316,6 +318,7 @@ class Watcher:
                 async with asyncio.timeout(wait):
                     await self._wake.wait()
             self._wake.clear()
+            self._routers_wrote.clear()
             started = time.process_time()
             try:
                 if not self._read_changes(self.clock()):
@@ -327,11 +330,18 @@ class Watcher:
             except Exception:
                 # A bug in one pass must not end the watcher; the next pass starts clean.
                 log.exception("event=pass_failed")
-            # Routers write activity every few seconds per model, so on a big fleet something
-            # always changed; resting as long as the pass computed keeps the watcher under half
-            # a core however busy the KV is. Its CPU, not its time: a pass that waited on Nomad
-            # (an activation's evaluation) must not hold the next router's ask as long again.
-            await asyncio.sleep(max(self.config.min_pass_interval_s, time.process_time() - started))
+            await self._rest(time.process_time() - started)
+
+    async def _rest(self, cpu: float) -> None:
+        """After a pass, as long as it computed: on a big fleet something always changed (routers
+        write activity every few seconds per model), and this keeps the watcher under half a
+        core. Its CPU, not its time: a pass that waited on Nomad (an activation's evaluation)
+        must not hold the next ask as long again. Then up to `min_pass_interval_s`, to gather
+        a burst of news into one pass, unless a router wrote: an ask waits on the next pass."""
+        await asyncio.sleep(cpu)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(max(0.0, self.config.min_pass_interval_s - cpu)):
+                await self._routers_wrote.wait()
 
     # Reading snapshots
 

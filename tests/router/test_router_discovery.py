@@ -8,13 +8,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+import pytest
 
 from devstack.consul_agent import ConsulAgent
 from nomad_driver.blocking import Reading
 from nomad_driver.consul import KVEntry
 from router.catalog import Fleet, parse_instances, parse_not_passing
 from router.config import ConsulSettings
-from router.discovery import ChecksReading, Discovery, InstancesReading, parse_states
+from router.discovery import ChecksReading, Discovery, InstancesReading, ParsedStates, parse_states
 from tests.router.conftest import (
     StartRouter,
     StartStub,
@@ -159,6 +160,28 @@ def test_a_malformed_state_value_is_ignored_and_the_others_are_read() -> None:
     )
     assert set(states) == {"good"}
     assert states["good"].parked and states["good"].last_error == "boom"
+
+
+def test_a_read_of_the_states_parses_only_the_keys_that_changed_and_warns_of_garbage_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    def kv(key: str, state: dict[str, object] | bytes, index: int) -> KVEntry:
+        value = state if isinstance(state, bytes) else json.dumps(state).encode()
+        return KVEntry(f"llmgw/state/{key}", value, modify_index=index)
+
+    parsed: ParsedStates = {}
+    first = parse_states([kv("a", {"parked": True}, 5), kv("b", {}, 6), kv("bad", b"{", 7)], parsed)
+    # The leader writes b; a and the garbage are as they were.
+    second = parse_states(
+        [kv("a", {"parked": True}, 5), kv("b", {"parked": True}, 9), kv("bad", b"{", 7)], parsed
+    )
+    assert second["a"] is first["a"]
+    assert not first["b"].parked and second["b"].parked
+    assert "bad" not in second
+    assert len([r for r in caplog.records if "treating model bad as having no state" in r.getMessage()]) == 1
+    # A key that went away is forgotten, and comes back parsed afresh.
+    third = parse_states([kv("b", {"parked": True}, 9)], parsed)
+    assert set(third) == {"b"} and set(parsed) == {"llmgw/state/b"}
 
 
 def test_the_snapshot_follows_registrations_checks_and_state_in_consul(
