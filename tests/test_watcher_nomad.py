@@ -327,3 +327,29 @@ async def test_the_pass_after_a_retry_decides_the_model_from_the_retry_not_a_pas
         assert not watcher.decisions["crash"].state.parked, round_
     lines = differences.read_text().splitlines() if differences.exists() else []
     assert not lines, lines[:2]
+
+
+async def test_the_consul_ui_entry_written_with_a_state_is_the_one_the_next_pass_keeps(
+    world_factory: Callable[..., Awaitable[World]],
+) -> None:
+    # A pass that writes a model's state shows its entry from that state; the next pass, with
+    # the state read back, must show the same words, or at 10,000 models the leader rewrites
+    # every entry a second time a moment after taking over (and the UI text flickers).
+    text = models_text(idle=("file:///tmp/idle.gguf", "cpu", 0))
+    model = parse_models(text).models["idle"]
+    world = await world_factory(text)
+    world.nomad.register_job(mock_job(model, 0))
+    await world.watcher.start()
+    watcher = world.watcher
+    await until(lambda: watcher.leadership.is_leader and "idle" in watcher.decisions, 30, "a first pass")
+    await until(lambda: world.consul and read_state(world.consul, "idle"), 10, "idle's first state")
+    passes = watcher.passes
+    await until(lambda: watcher.passes >= passes + 3, 20, "passes after the state is read back")
+    checks = [
+        c for c in await world.consul.health_node("llmgw-models") if c.get("ServiceID") == "llmgw-model-idle"
+    ]
+    assert len(checks) == 1
+    check = checks[0]
+    assert check["Output"] == watcher.decisions["idle"].health_output
+    assert "(idle: no request within idle_timeout)" in check["Output"]
+    assert check["ModifyIndex"] == check["CreateIndex"], "the entry was written twice"

@@ -190,7 +190,7 @@ class Actor:
             return d
         if not await self.states.write(d.model, state, view.state_index):
             return d
-        health, output = model_health(d.model, state, d.desired, d.ready, d.starting)
+        health, output = model_health(d.model, state, d.desired, d.ready, d.starting, d.desired_detail)
         return replace(d, state=state, health=health, health_output=output)
 
     async def _activate(

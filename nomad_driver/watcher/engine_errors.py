@@ -113,7 +113,7 @@ class EngineErrors:
             state = state.model_copy(update={"last_error": stored.last_error})
         else:
             return d
-        health, output = model_health(d.model, state, d.desired, d.ready, d.starting)
+        health, output = model_health(d.model, state, d.desired, d.ready, d.starting, d.desired_detail)
         actions: list[Action] = []
         for a in d.actions:
             if isinstance(a, Park):

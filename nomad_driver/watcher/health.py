@@ -76,8 +76,12 @@ class HealthEntries:
         desired = {m: Entry(e.status, redact(e.output)) for m, e in desired.items()}
         writes = 0
         for model, entry in sorted(desired.items()):
-            if self._known.get(model) == entry:
+            was = self._known.get(model)
+            if was == entry:
                 continue
+            if not writes:
+                # One example per sync: why a wave of writes came, without a line per model.
+                log.info("event=catalog_entry_changed model=%s was=%r now=%r", model, was, entry)
             async with asyncio.timeout(within()):
                 await self.consul.catalog_register(self._body(model, entry))
             self._known[model] = entry

@@ -341,7 +341,7 @@ def _conflicted(view: ModelView, state: ModelState) -> Decision:
     actions: tuple[Action, ...] = ()
     if view.state_problem or not same_state(state, view.state or ModelState()):
         actions = (WriteState(m.name, state, view.state_index),)
-    health, output = model_health(m.name, state, wanted.count, view.ready, 0)
+    health, output = model_health(m.name, state, wanted.count, view.ready, 0, wanted.detail)
     return Decision(
         m.name,
         wanted.count,
