@@ -484,7 +484,9 @@ def measure(args: argparse.Namespace, n_models: int) -> dict[str, Any]:
     models = {name: m for name, m in everything.items() if not name.startswith(FAILING)}
     with tempfile.TemporaryDirectory(prefix="watcher-bench-") as tmp:
         work = Path(tmp)
-        consul = ConsulAgent(log_dir=work, die_with_parent=True).start()
+        # A dev agent logs every request at debug: at 10,000 models that was 8 GB of log in one
+        # run, written on the same two cores the watcher is timed on.
+        consul = ConsulAgent(log_dir=work, die_with_parent=True, extra_args=("-log-level", "warn")).start()
         standin: subprocess.Popen[bytes] | None = None
         watcher: subprocess.Popen[bytes] | None = None
         stop = threading.Event()
@@ -536,10 +538,14 @@ def measure(args: argparse.Namespace, n_models: int) -> dict[str, Any]:
             # Settled: the leader's first passes register every model in the Consul UI once, and
             # Nomad's last updates of the new allocations (each one a read of its list entry)
             # have come in; a wave of those inside the idle minute would be setup, not idleness.
+            # And no work left marked: after its first pass a leader rests as long as that pass
+            # computed (20 s at 10,000 models), quiet, before the pass over what it wrote.
             def quiet() -> bool:
                 before = sum(n for k, n in proxy.snapshot().items() if not k[3])
                 time.sleep(10)
-                return sum(n for k, n in proxy.snapshot().items() if not k[3]) - before <= 8
+                health = healthz(admin)
+                idle = not health.get("models_marked") and not health.get("full_pass_marked", True)
+                return idle and sum(n for k, n in proxy.snapshot().items() if not k[3]) - before <= 8
 
             # At ten thousand models that first registration is 10,000 writes: wait for all of it.
             def registered() -> bool:
@@ -549,7 +555,8 @@ def measure(args: argparse.Namespace, n_models: int) -> dict[str, Any]:
             wait_for("every model in the Consul UI", registered, 600, 5)
             wait_for("the watcher to settle", quiet, 120, 0)
 
-            def window(seconds: float) -> dict[str, Any]:
+            def window(seconds: float, name: str) -> dict[str, Any]:
+                print(f"{name} window: {seconds:.0f} s (watcher pid {watcher.pid})")
                 calls0, bytes0, frames0 = proxy.snapshot(), proxy.bytes_snapshot(), proxy.frames_snapshot()
                 cpu0, health0 = cpu_seconds(watcher.pid), healthz(admin)
                 t0 = time.monotonic()
@@ -598,10 +605,10 @@ def measure(args: argparse.Namespace, n_models: int) -> dict[str, Any]:
                     "eval_job_reads": job_reads,
                 }
 
-            idle = window(args.idle_seconds)
+            idle = window(args.idle_seconds, "idle")
             httpx.put(f"{nomad}/v1/jobs", json={"Job": churn_job()}, timeout=30).raise_for_status()
             time.sleep(3)  # its first start, before the window opens
-            churned = window(args.churn_seconds)
+            churned = window(args.churn_seconds, "churned")
             httpx.delete(f"{nomad}/v1/job/{CHURN_JOB}", timeout=30).raise_for_status()
             time.sleep(3)
             httpx.put(f"{nomad}/v1/jobs", json={"Job": scaled_job()}, timeout=30).raise_for_status()
@@ -609,7 +616,7 @@ def measure(args: argparse.Namespace, n_models: int) -> dict[str, Any]:
             flipping = threading.Event()
             flipper = threading.Thread(target=scale_every_second, args=(nomad, flipping), daemon=True)
             flipper.start()
-            evaluated = window(args.eval_seconds)
+            evaluated = window(args.eval_seconds, "evaluations")
             flipping.set()
             flipper.join(10)
             httpx.delete(f"{nomad}/v1/job/{SCALED_JOB}", timeout=30).raise_for_status()

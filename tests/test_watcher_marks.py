@@ -13,6 +13,7 @@ import asyncio
 import uuid
 from typing import Any
 
+import httpx
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -24,6 +25,7 @@ from nomad_driver.nomad import Nomad
 from nomad_driver.render import render_job
 from nomad_driver.spec import parse_models
 from nomad_driver.state import ModelState, activity_key, inflight_key, state_key
+from nomad_driver.watcher.admin import create_app
 from nomad_driver.watcher.decisions import Park, Scale, WriteState
 from nomad_driver.watcher.feeds import OTHER_JOBS, _Feed
 from nomad_driver.watcher.loop import Watcher, WatcherConfig
@@ -278,6 +280,25 @@ def test_each_kind_of_change_marks_exactly_the_model_it_touches(change: Any) -> 
     assert not world.w.marks.everything and world.w.marks.models == {"m3"}
     asyncio.run(world.w.run_pass())
     assert {n for n, d in world.w.decisions.items() if d is not before[n]} == {"m3"}
+
+
+def test_healthz_shows_the_work_waiting_for_the_next_pass() -> None:
+    world = World()
+
+    async def healthz() -> dict[str, Any]:
+        transport = httpx.ASGITransport(app=create_app(world.w))
+        async with httpx.AsyncClient(transport=transport, base_url="http://admin") as c:
+            body: dict[str, Any] = (await c.get("/healthz")).json()
+            return body
+
+    assert asyncio.run(healthz())["full_pass_marked"] is True  # nothing reconciled yet
+    world.settle()
+    settled = asyncio.run(healthz())
+    assert settled["models_marked"] == 0 and settled["full_pass_marked"] is False
+    alloc_fails(world, "m3")
+    world.w._read_changes(world.clock)
+    waiting = asyncio.run(healthz())
+    assert waiting["models_marked"] == 1 and waiting["full_pass_marked"] is False
 
 
 def test_another_jobs_allocation_marks_only_the_multi_node_models() -> None:

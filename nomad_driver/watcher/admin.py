@@ -409,6 +409,9 @@ def create_app(
             "full_passes": watcher.marks.full_passes,
             "last_full_pass_cpu_ms": round(watcher.last_full_pass_cpu_s * 1000, 1),
             "models_reconciled": watcher.marks.model_passes,
+            # Work waiting for the next pass: models marked, and whether it reconciles them all.
+            "models_marked": len(watcher.marks.models),
+            "full_pass_marked": watcher.marks.everything,
             "pass_causes": dict(watcher.pass_causes),
         }
 

@@ -19,6 +19,7 @@ out different from the one that stood (`quiet.py`'s check, `LLMGW_VERIFY_SKIPPED
 from __future__ import annotations
 
 import heapq
+import logging
 from collections.abc import Iterable, Mapping
 from math import inf
 from typing import Any
@@ -34,6 +35,10 @@ from nomad_driver.watcher.rollout import job_ids
 from nomad_driver.watcher.views import ViewBuilder
 
 RESYNC_EVERY_S = 1800.0
+# A change that marks this many models at once is logged with its source.
+WAVE = 100
+
+log = logging.getLogger("llmgw.watcher")
 
 
 class Marks:
@@ -161,15 +166,15 @@ class ChangeReader:
         definitions = self.memory.definitions
         if self.kv.config.snapshot is not None:
             definitions.load(kv.config, kv.config_index)
-        self._touch(readings.kv_touched(kv, now))
+        self._mark("kv", readings.kv_touched(kv, now))
         if definitions.models is not self._defined:
             before, self._defined = self._defined, definitions.models
-            self.marks.touch(n for n, m in self._defined.items() if before.get(n) is not m)
-            self.marks.touch(before.keys() - self._defined.keys())
+            changed = {n for n, m in self._defined.items() if before.get(n) is not m}
+            self._mark("definitions", changed | (before.keys() - self._defined.keys()))
             self._job_models = {jid: n for n, m in self._defined.items() for jid in job_ids(m)}
             self.multinode = tuple(n for n, m in self._defined.items() if m.profile.nodes > 1)
         if self.engines.snapshot is not None:
-            self.marks.touch(readings.engines_touched(self.engines.snapshot.data))
+            self._mark("engines", readings.engines_touched(self.engines.snapshot.data))
         for name, watch in self.nomad_watches.items():
             snapshot = watch.snapshot
             if snapshot is None or snapshot is self._seen.get(name):
@@ -177,9 +182,17 @@ class ChangeReader:
             self._seen[name] = snapshot
             held = self._hints.pop(name, None)
             hint = held[1] if held is not None and held[0] is snapshot else None
-            self._touch(touched_models(hint, self._job_models, self.multinode))
+            self._mark(name, touched_models(hint, self._job_models, self.multinode))
         self.marks.touch(self.warnings.due(now))
         return self.marks.pending(now)
+
+    def _mark(self, source: str, models: set[str] | None) -> None:
+        """Mark `models` (None: every model). A wave is logged with its source: a pass over
+        thousands of models costs seconds of CPU, and this says what asked for it."""
+        if models is None or len(models) >= WAVE:
+            shown = "every model" if models is None else f"{len(models)} models, e.g. {min(models)}"
+            log.info("event=marked_many source=%s models=%r", source, shown)
+        self._touch(models)
 
     def _touch(self, models: set[str] | None) -> None:
         if models is None:
