@@ -689,7 +689,7 @@ def report(results: list[dict[str, Any]]) -> int:
 
     idle, churned = field(("idle",)), field(("churned",))
     row("CPU of the last full pass, ms", [w["pass_cpu_ms"] for w in idle], ".0f", ratio=True,
-        target="the resync, every 5 minutes")  # fmt: skip
+        target="the resync, every 30 minutes")  # fmt: skip
     row("passes run, idle minute", [per_minute(w, "passes") for w in idle], ".0f")
     row("models reconciled, churned minute", [per_minute(w, "reconciled") for w in churned], ".0f")
     row("passes skipped (nothing new), idle minute", [per_minute(w, "skipped") for w in idle], ".0f")
