@@ -28,9 +28,10 @@ from nomad_driver.node_meta import ENGINE_KEY_PREFIX, FABRIC_KEY, models_cached
 from nomad_driver.placement import job_fabric
 from nomad_driver.redaction import redact
 from nomad_driver.summary import fleet_summary, gpu_use, held_devices, node_state
+from nomad_driver.watcher.admin_ops import NotLeader, UnknownModel
 from nomad_driver.watcher.decisions import ModelView
 from nomad_driver.watcher.fetch_progress import FetchProgressCache, fetch_metrics, with_fetch
-from nomad_driver.watcher.loop import NotLeader, UnknownModel, Watcher
+from nomad_driver.watcher.loop import Watcher
 from nomad_driver.watcher.scaling import REASONS
 
 

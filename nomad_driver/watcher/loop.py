@@ -21,22 +21,21 @@ from functools import partial
 from typing import Any
 
 from nomad_driver.blocking import Watch
-from nomad_driver.consul import Consul, ConsulError, ConsulUnavailable
+from nomad_driver.consul import Consul, ConsulError
 from nomad_driver.nomad import Nomad
 from nomad_driver.placement import PlacementWarnings
 from nomad_driver.render import SERVICE_NAME
 from nomad_driver.spec import Model
 from nomad_driver.state import (
     ModelState,
-    state_key,
 )
 from nomad_driver.watcher.acting import Actor
-from nomad_driver.watcher.counting import retried
+from nomad_driver.watcher.admin_ops import retry_model
 from nomad_driver.watcher.decisions import Decision, ModelView
 from nomad_driver.watcher.engine_errors import EngineErrors
 from nomad_driver.watcher.evaluations import EvaluationFeed
 from nomad_driver.watcher.feeds import AllocationFeed, JobFeed, _Feed
-from nomad_driver.watcher.fenced import FencedStates, with_stored_state
+from nomad_driver.watcher.fenced import FencedStates
 from nomad_driver.watcher.health import Entry, HealthEntries
 from nomad_driver.watcher.in_flight import (
     INFLIGHT_FORGET_AFTER_S,
@@ -44,7 +43,7 @@ from nomad_driver.watcher.in_flight import (
 )
 from nomad_driver.watcher.isolation import BrokenModels, broken_decision, reconcile_each
 from nomad_driver.watcher.kv_watches import KVWatches
-from nomad_driver.watcher.leader import LeaderInfo, Leadership, LeaseLost
+from nomad_driver.watcher.leader import Leadership, LeaseLost
 from nomad_driver.watcher.marks import ChangeReader, Marks
 from nomad_driver.watcher.quiet import model_quiet_until, record_differences, verify_file
 from nomad_driver.watcher.reconcile import DEFAULT_MAX_START_FAILURES
@@ -62,21 +61,6 @@ from nomad_driver.watcher.watch import (
 )
 
 log = logging.getLogger("llmgw.watcher")
-
-# A retry whose check-and-set loses reads the key again: only a writer outside llmgw racing it
-# three times running is told to try again.
-RETRY_WRITE_ATTEMPTS = 3
-
-
-class NotLeader(Exception):
-    def __init__(self, leader: LeaderInfo | None) -> None:
-        where = leader.describe() if leader else "no watcher leads right now"
-        super().__init__(f"this watcher does not lead; the leader is {where}")
-        self.leader = leader
-
-
-class UnknownModel(KeyError):
-    pass
 
 
 @dataclass(frozen=True)
@@ -435,23 +419,13 @@ class Watcher:
             await definitions.restore(self.consul)
             if definitions.missing:
                 return False
-        complete = True
         async with self._apply_lock:
-            for name, d in decisions.items():
-                self.warnings.log_decision(d.model, d.state)
-                if not self.leadership.is_leader:
+            try:
+                leading, complete = await self._apply(views, decisions)
+                if not leading:
                     return False
-                try:
-                    decisions[name] = await self.actor.apply_decision(self.models[d.model], d, views[name])
-                except LeaseLost as exc:
-                    log.warning("event=actions_stopped model=%s reason=%r", d.model, str(exc))
-                    return False
-                except Exception as exc:  # a Consul write that failed, or worse: this model only
-                    why = self.broken.failed(name, "apply", exc)
-                    decisions[name] = broken_decision(views[name], d, why)
-                    complete = False
-                else:
-                    self.broken.succeeded(name, "apply")
+            finally:
+                self.standing.acted(decisions)
             await self._forget_gone_routers()
             try:
                 # Each write within the lease: a Consul that hangs must not hold the pass, and
@@ -468,6 +442,26 @@ class Watcher:
                 log.warning("event=health_sync_failed error=%r", str(exc) or type(exc).__name__)
                 return False
         return complete
+
+    async def _apply(self, views: dict[str, ModelView], decisions: dict[str, Decision]) -> tuple[bool, bool]:
+        """Act on each decision, replacing it with what came of it: (still leading, every model
+        acted on). Once leadership is lost the rest is left undone."""
+        complete = True
+        for name, d in decisions.items():
+            self.warnings.log_decision(d.model, d.state)
+            if not self.leadership.is_leader:
+                return False, False
+            try:
+                decisions[name] = await self.actor.apply_decision(self.models[d.model], d, views[name])
+            except LeaseLost as exc:
+                log.warning("event=actions_stopped model=%s reason=%r", d.model, str(exc))
+                return False, False
+            except Exception as exc:  # a Consul write that failed, or worse: this model only
+                decisions[name] = broken_decision(views[name], d, self.broken.failed(name, "apply", exc))
+                complete = False
+            else:
+                self.broken.succeeded(name, "apply")
+        return True, complete
 
     @property
     def _quiet_until(self) -> float:
@@ -489,22 +483,4 @@ class Watcher:
 
     async def retry(self, model: str) -> ModelState:
         """`llmgw ctl retry`: clear the count and unpark; the next pass restores replicas."""
-        # Under the pass's lock and from the key as Consul holds it now: a pass's write in
-        # flight, or a change the KV snapshot does not show yet, would otherwise fail the
-        # check-and-set and tell the operator to try again for nothing.
-        async with self._apply_lock:
-            for _ in range(RETRY_WRITE_ATTEMPTS):
-                if not self.leadership.is_leader:
-                    raise NotLeader(self.leadership.leader)
-                views = self.build_views()
-                if model not in views:
-                    raise UnknownModel(model)
-                view = await with_stored_state(self.consul, views[model])
-                state = retried(view)
-                if await self.states.write(model, state, view.state_index):
-                    log.info("event=retried model=%s", model)
-                    # Decided from this write (`states.pending`): the read-back may come later.
-                    self.marks.touch((model,))
-                    self.wake("retry")
-                    return state
-        raise ConsulUnavailable(f"could not write {state_key(model)}; try again")
+        return await retry_model(self, model)

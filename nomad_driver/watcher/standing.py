@@ -36,8 +36,7 @@ class Standing:
         self._parks: dict[str, set[StartKey]] = {}
 
     def merge(self, views: dict[str, ModelView], decisions: dict[str, Decision], *, full: bool) -> None:
-        """A pass's views and decisions (the same dict objects: the pass goes on to fill in
-        what acting made of each decision)."""
+        """A pass's views and decisions as it made them; `acted` adds what acting made of them."""
         if full:
             self.views, self.decisions = views, decisions
             for kept in (self._replicas, self._since, self._evaluations, self._parks):
@@ -57,6 +56,16 @@ class Standing:
                 self._parks[name] = parks
             else:
                 self._parks.pop(name, None)
+
+    def acted(self, decisions: Mapping[str, Decision]) -> None:
+        """What acting made of a pass's decisions (a refused park is not parked, a write shows
+        in the Consul UI's words). A full pass's dict is the standing one already; a pass over
+        some models copied its entries in at `merge`, before acting."""
+        if decisions is self.decisions:
+            return
+        for name, d in decisions.items():
+            if name in self.decisions:
+                self.decisions[name] = d
 
     def forget(self, models: Iterable[str]) -> None:
         """Models no longer defined, found by a pass that did not reconcile every model."""
