@@ -222,6 +222,9 @@ async def test_a_park_that_nomad_refuses_is_not_stored_as_parked(
     job = mock_job(model, 2)
     job["TaskGroups"][0]["Scaling"]["Min"] = 2
     register(standin.url, job)
+    # Passes over the marked models only, as in production: the suite's check of skipped passes
+    # makes every pass a full one, whose decisions are what stands already.
+    watcher._verify_skips = ""
     await watcher.start()
     try:
 
