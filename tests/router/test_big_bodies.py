@@ -1,6 +1,6 @@
 """A big request body is parsed without stalling other clients: the bounded JSON reader takes
-over half a second on a max-size body of token IDs, and on the event loop every other request,
-health checks included, waited that long behind it."""
+a few hundred milliseconds on a max-size body of token IDs, and on the event loop every other
+request, health checks included, waited that long behind it."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import time
 
 import httpx
 
+from nomad_driver.safeload import json_loads
 from tests.router.conftest import StartRouter, StartStub, register_replica
 
 MAX_BODY = 8 * 1024 * 1024
@@ -38,6 +39,13 @@ def test_a_max_size_token_id_body_does_not_stall_a_concurrent_small_request(
     router.wait_ready("beta", 1)
     big = token_body(MAX_BODY)
     assert len(big) == MAX_BODY
+    # The stall to rule out is the parse itself, timed here with the router's own reader. Half
+    # of it leaves room for a shared machine: with the parse on the loop, the slowest small
+    # request waited about the whole parse (300 ms here); off the loop, with the second core
+    # busy, the worst was 80 ms (a fixed 50 ms bound failed two CI runs that way).
+    started = time.perf_counter()
+    json_loads(big, "the big body")
+    parse_s = time.perf_counter() - started
     small = {"model": "beta", "messages": [{"role": "user", "content": "hi"}]}
     with httpx.Client(timeout=30) as client:
         for _ in range(5):  # warm: connections open, code paths taken
@@ -66,4 +74,4 @@ def test_a_max_size_token_id_body_does_not_stall_a_concurrent_small_request(
         sender.join()
     assert results == [200]
     assert len(latencies) >= 3
-    assert max(latencies) < 0.05, sorted(latencies)[-5:]
+    assert max(latencies) < max(parse_s / 2, 0.05), (parse_s, sorted(latencies)[-5:])
