@@ -218,6 +218,12 @@ def source_problem(source: str, engine: str) -> str | None:
             return f"s3 source {source!r} must name a bucket and a key: s3://BUCKET/KEY"
     elif scheme == "file" and (parts.netloc or not parts.path.startswith("/")):
         return f"file source {source!r} must be an absolute path: file:///ABSOLUTE/PATH"
+    elif scheme == "file" and source.endswith("/") and not engines.get(engine).reads_node_files:
+        return (
+            f"source {source!r} is a directory on the node; {engine} runs in docker, which sees "
+            "only what is mounted, and llmgw's fetch copies one file: serve it from "
+            "s3://BUCKET/PREFIX/ or hf://ORG/REPO"
+        )
     if not engines.get(engine).loads_repositories and source.endswith("/"):
         return f"source {source!r} is a directory; {engine} loads one GGUF file"
     return None

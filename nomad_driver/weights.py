@@ -26,6 +26,10 @@ class Weights:
 
 def weights_for(source: str) -> Weights:
     parts = urlsplit(source)
+    if parts.scheme == "file":
+        # A client has no file getter (hashicorp/nomad client/allocrunner/taskrunner/getter/
+        # params.go): fetch/render.py reads such a file in place or fetches it.
+        raise ValueError(f"source {source!r}: a file on the node is never an artifact")
     is_dir = source.endswith("/")
     name = posixpath.basename(parts.path.rstrip("/")) or "model"
     if parts.scheme == "hf":

@@ -14,6 +14,7 @@ import openai
 import pytest
 
 from devstack.llama_cpp import llama_cpp_node
+from nomad_driver.watcher.parking import telling_line
 from tests.fixtures.llama_cpp import StartLlamaCpp, StartShard, llama_cpp_models
 from tests.watcher_support import read_state, until, watcher_on_standin
 
@@ -47,6 +48,19 @@ def test_an_unknown_architecture_exits_with_llama_cpps_own_error(
     server = llama_cpp_server(make_gguf("kev"), ready=False)
     assert server.wait_exit(timeout=60) != 0
     assert ARCH_ERROR in server.stderr_text()
+
+
+def test_a_file_missing_on_the_node_is_the_cause_the_watcher_keeps(
+    llama_cpp_server: StartLlamaCpp, tmp_path: Path
+) -> None:
+    # A file:// source is read where it lies (raw_exec): a node without the file fails the start,
+    # and the cause must say which file, not only that loading failed.
+    missing = tmp_path / "nowhere" / "m.gguf"
+    server = llama_cpp_server(missing, ready=False)
+    assert server.wait_exit(timeout=60) != 0
+    assert telling_line(server.stderr_text()) == (
+        f"failed to open GGUF file '{missing}' (No such file or directory)"
+    )
 
 
 def test_one_model_split_over_two_rpc_shards_answers_and_dies_with_a_shard(

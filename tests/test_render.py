@@ -25,7 +25,7 @@ from nomad_driver.render import (
     render_replica_job,
 )
 from nomad_driver.render_files import render_files, render_hcl
-from nomad_driver.spec import Model, definition_hash, load_models, parse_models
+from nomad_driver.spec import Model, SpecError, definition_hash, load_models, parse_models
 from nomad_driver.weights import weights_for
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -218,13 +218,6 @@ def test_engine_meta_keys_follow_the_node_convention() -> None:
             "${NOMAD_TASK_DIR}/model/Llama-3.3-70B-Instruct",
         ),
         (
-            "file:///srv/models/tiny.gguf",
-            "file:///srv/models/tiny.gguf",
-            "file",
-            "local/model/tiny.gguf",
-            "${NOMAD_TASK_DIR}/model/tiny.gguf",
-        ),
-        (
             "https://example.com/m/w.gguf",
             "https://example.com/m/w.gguf",
             "file",
@@ -239,6 +232,52 @@ def test_sources_become_artifacts_nomad_can_fetch(
     weights = weights_for(source)
     assert weights.artifact == {"GetterSource": getter, "GetterMode": mode, "RelativeDest": dest}
     assert weights.model_arg == model_arg
+
+
+def test_a_file_for_a_raw_exec_engine_is_read_where_it_lies() -> None:
+    # A real client has no file getter (getter/params.go), so an artifact could never fetch it;
+    # raw_exec sees the node's files as they are (drivers/rawexec/driver.go).
+    job = render_job(DEV_MODELS.models["tiny"])
+    group, task = group_of(job), task_of(job)
+    assert "Artifacts" not in task and "VolumeMounts" not in task
+    assert [t["Name"] for t in group["Tasks"]] == ["engine"] and "Volumes" not in group
+    args = task["Config"]["args"]
+    assert args[args.index("--model") + 1] == "/srv/models/tiny.gguf"
+
+
+def test_a_file_for_vllm_is_copied_into_the_nodes_cache_by_llmgws_fetch() -> None:
+    # A docker task sees only what is mounted: the fetch (raw_exec) copies the file into the
+    # cache volume, which the engine's task mounts.
+    model = parse_models(
+        textwrap.dedent(
+            """
+            profiles:
+              v: {engine: vllm, engine_version: v0.10.1, gpus: 1}
+            models:
+              local-gguf: {source: "file:///srv/models/w.gguf", profile: v}
+            """
+        )
+    ).models["local-gguf"]
+    group = group_of(render_job(model))
+    engine, fetch = group["Tasks"]
+    assert fetch["Name"] == "fetch" and fetch["Config"]["args"][:2] == ["fetch", "file:///srv/models/w.gguf"]
+    assert "Artifacts" not in engine
+    args = engine["Config"]["args"]
+    assert args[args.index("--model") + 1] == "${meta.llmgw_models_dir}/local-gguf/w.gguf"
+
+
+def test_a_directory_on_the_node_is_refused_for_vllm_with_what_to_do() -> None:
+    with pytest.raises(SpecError, match=r"directory on the node.*docker.*s3://"):
+        parse_models(
+            textwrap.dedent(
+                """
+                profiles:
+                  v: {engine: vllm, engine_version: v0.10.1, gpus: 1}
+                models:
+                  local-dir: {source: "file:///srv/models/llama/", profile: v}
+                """
+            )
+        )
 
 
 def test_a_hub_repository_for_vllm_is_fetched_by_vllm_itself() -> None:
@@ -649,7 +688,6 @@ def _interpolate(value: str, env: dict[str, str], node_meta: dict[str, str]) -> 
 
 @pytest.mark.slow
 def test_the_rendered_cpu_job_serves_when_run_as_nomad_would(tmp_path: Path, make_gguf: Any) -> None:
-    import shutil
     import subprocess
     import sys
     import time
@@ -685,12 +723,10 @@ def test_the_rendered_cpu_job_serves_when_run_as_nomad_would(tmp_path: Path, mak
     assert constraint["Operand"] == "set_contains"
     assert constraint["RTarget"] in _interpolate(constraint["LTarget"], {}, node_meta).split(",")
 
+    # raw_exec reads the file where it lies: nothing is copied into the task directory.
+    assert "Artifacts" not in task
     task_dir = tmp_path / "alloc" / task["Name"]
-    (artifact,) = task["Artifacts"]
-    assert artifact["GetterMode"] == "file"
-    dest = task_dir / artifact["RelativeDest"]
-    dest.parent.mkdir(parents=True)
-    shutil.copyfile(artifact["GetterSource"].removeprefix("file://"), dest)
+    task_dir.mkdir(parents=True)
 
     port = free_port()
     env = {

@@ -19,9 +19,10 @@ Read against hashicorp/nomad (2.0):
   file getter (the pre-sandbox `getter.go` said so: "If a getter type is not listed here, it is
   not supported (e.g. file)"), so a `file://` source or a bare path, which go-getter's file
   detector turns into `file://`, fails with "download not supported for scheme 'file'" before
-  Landlock is ever asked. The stand-in keeps a file getter (`file_getter`, on by default) because
-  its tests and dev stack still copy model files that way; a node with `file_getter: false` says
-  what a real client says.
+  Landlock is ever asked. The stand-in says the same. It keeps a file getter of its own, off
+  unless a node's config sets `file_getter: true`, for its tests of the artifact hook's modes
+  and events; llmgw's jobs never ask it (a raw_exec engine reads a file:// source in place, and
+  llmgw's fetch copies it for a docker one).
 - `artifact_hook.go` wraps every failure as `failed to download artifact "<source>": <err>`, and
   `getter/util.go` `runCmd` wraps the subprocess's as `getter subprocess failed: <exit>: <output>`;
   the subprocess prints `failed to download artifact: <go-getter's error>`.
@@ -94,7 +95,7 @@ class ArtifactConfig:
     disable_filesystem_isolation: bool = False
     filesystem_isolation_extra_paths: tuple[str, ...] = ()
     set_environment_variables: str = ""
-    file_getter: bool = True  # the stand-in's own; see the module docstring
+    file_getter: bool = False  # the stand-in's own; see the module docstring
 
     def deadline(self) -> float:
         """params.go deadline(): when the getter subprocess is killed, whatever it is doing."""

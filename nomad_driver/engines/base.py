@@ -51,6 +51,10 @@ class Engine:
     takes_chat_format: bool = False
     # Whether it loads a whole Hugging Face repository or a directory, rather than one file.
     loads_repositories: bool = False
+    # Whether its task sees the node's files where they lie: raw_exec has no filesystem
+    # isolation (drivers/rawexec/driver.go), so a file:// source is read in place; a docker
+    # task sees only what is mounted, so llmgw's fetch copies the file into the cache volume.
+    reads_node_files: bool = True
     # Whether the router must ask it for a stream and assemble the client's answer: true for a
     # server that finishes a non-streamed completion whoever still listens (router/assemble.py).
     answers_assembled: bool = False

@@ -123,6 +123,8 @@ class LlamaCpp(Engine):
     keeps_connections = False
     # The loader's own words, a few lines above a traceback's generic last line.
     startup_errors = (
+        # The file itself, with the path and errno: a file:// source missing on this node.
+        re.compile(r"failed to open GGUF file", re.I),
         re.compile(r"unknown model architecture", re.I),
         re.compile(r"error loading model", re.I),
     )

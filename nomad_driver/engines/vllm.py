@@ -51,6 +51,7 @@ class Vllm(Engine):
     shards_over = "Ray"
     # It downloads a whole Hugging Face repository itself.
     loads_repositories = True
+    reads_node_files = False  # docker
     # Its OpenAI server cancels the handler on disconnect, so its answers pass through
     # untouched.
     answers_assembled = False

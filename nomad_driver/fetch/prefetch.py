@@ -13,8 +13,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from nomad_driver.fetch.render import add_fetch
-from nomad_driver.fetch.sources import is_fetched
+from nomad_driver.fetch.render import add_fetch, fetched
 from nomad_driver.render import GROUP_NAME, render_job
 from nomad_driver.spec import Model
 
@@ -22,7 +21,8 @@ PREFETCH_PREFIX = "llmgw-prefetch-"
 
 
 class NotFetched(ValueError):
-    """The model's source is not one llmgw fetches (a file:// path, a whole hf repository)."""
+    """The model's source is not one llmgw fetches (a file the engine reads where it lies, a
+    whole hf repository)."""
 
 
 def prefetch_job_id(model: Model) -> str:
@@ -32,10 +32,10 @@ def prefetch_job_id(model: Model) -> str:
 def render_prefetch_job(
     model: Model, nodes: list[str] | None = None, *, namespace: str | None = None
 ) -> dict[str, Any]:
-    if not is_fetched(model.source):
+    if not fetched(model):
         raise NotFetched(
-            f"model '{model.name}': source {model.source!r} is not fetched by llmgw (only one "
-            "https, s3 or hf file is); nothing to prefetch"
+            f"model '{model.name}': source {model.source!r} is not fetched by llmgw (one https, "
+            "s3 or hf file is; a file:// path is read where it lies on the node); nothing to prefetch"
         )
     model_job = render_job(model, namespace=namespace)
     model_group = model_job["TaskGroups"][0]

@@ -1,6 +1,7 @@
 """The parts of a model's job that bring its weights to the node through `llmgw fetch`.
 
-For a source the fetch handles (one remote file: https, s3, hf), the engine's group gets:
+For a source the fetch handles (one remote file: https, s3, hf; or a file on the node for an
+engine whose task cannot see it, `Engine.reads_node_files`), the engine's group gets:
 
 - a host volume `llmgw-weights` (group `volume`, Type host): only nodes whose client declares it
   are feasible, and placement summaries say "missing compatible host volumes" for the others;
@@ -22,7 +23,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from nomad_driver.fetch.sources import is_fetched, parse_source
+from nomad_driver import engines
+from nomad_driver.fetch.sources import is_fetched, local_path, parse_source
 from nomad_driver.node_meta import (
     ENGINES_DIR_KEY,
     FETCH_MIN_RATE_KEY,
@@ -47,10 +49,21 @@ FETCH_CPU_MHZ = 500
 FETCH_MEMORY_MIB = 256
 
 
+def fetched(model: Model) -> bool:
+    """Whether llmgw's fetch brings the model's weights to the node."""
+    if is_fetched(model.source):
+        return True
+    return local_path(model.source) is not None and not engines.get(model.profile.engine).reads_node_files
+
+
 def weights_of(model: Model) -> Weights:
-    """Where the engine finds the model's weights: the node's cache for a fetched source,
-    otherwise what weights.py says (an artifact, or a name vLLM resolves itself)."""
-    if not is_fetched(model.source):
+    """Where the engine finds the model's weights: the node's cache for a fetched source, the
+    path itself for a file the engine sees where it lies, otherwise what weights.py says (an
+    artifact, or a name vLLM resolves itself)."""
+    path = local_path(model.source)
+    if path is not None and not fetched(model):
+        return Weights(model_arg=path, artifact=None)
+    if not fetched(model):
         return weights_for(model.source)
     name = parse_source(model.source, env={}).file_name
     return Weights(model_arg=f"{interpolated(MODELS_DIR_KEY)}/{model.name}/{name}", artifact=None)
@@ -100,7 +113,7 @@ def _mount(read_only: bool) -> dict[str, Any]:
 def add_fetch(group: dict[str, Any], model: Model, engine_task: dict[str, Any]) -> None:
     """Give `group` the fetch of the model's weights, when its source is one the fetch handles.
     The engine task stays first in the group's task list."""
-    if not is_fetched(model.source):
+    if not fetched(model):
         return
     group["Volumes"] = {
         VOLUME_ALIAS: {"Name": VOLUME_ALIAS, "Type": "host", "Source": HOST_VOLUME, "ReadOnly": False}

@@ -75,6 +75,12 @@ def is_fetched(source: str) -> bool:
     return True
 
 
+def local_path(source: str) -> str | None:
+    """The node path a `file://` source names, or None for any other source."""
+    parts = urlsplit(source)
+    return unquote(parts.netloc + parts.path) if parts.scheme == "file" else None
+
+
 def parse_source(text: str, env: Mapping[str, str] | None = None) -> Source:
     env = dict(os.environ if env is None else env)
     if text.endswith("/"):

@@ -361,7 +361,10 @@ _ANY_ENGINE = [
     re.compile(r"\berror\b", re.I),
     re.compile(r"\bfatal\b|\bpanic\b|exception|failed", re.I),
 ]
-_LOG_PREFIX = re.compile(r"^(?:\S*\d{2}:\d{2}:\d{2}\S*\s+)?(?:\[[^\]]*\]\s*)?")
+# A clock time and a level: `2024-05-01T10:00:00Z [ERROR]`, or llama.cpp's `0.00.005.341 E `.
+_LOG_PREFIX = re.compile(
+    r"^(?:\S*\d{2}:\d{2}:\d{2}\S*\s+|\d+\.\d{2}\.\d{3}\.\d{3}\s+[DIWEF]\s+)?(?:\[[^\]]*\]\s*)?"
+)
 _MAX_ERROR_CHARS = 300
 
 
@@ -376,7 +379,7 @@ def telling_line(stderr_tail: str) -> str:
             if pattern.search(line):
                 text = _LOG_PREFIX.sub("", line)
                 # `llama_model_load: error loading model: ...` -> drop the C function's name.
-                text = re.sub(r"^[a-z_][a-z0-9_]*:\s+(?=error)", "", text)
+                text = re.sub(r"^[a-z][a-z0-9]*_[a-z0-9_]*:\s+", "", text)
                 return redact(text)[:_MAX_ERROR_CHARS]
     return ""
 

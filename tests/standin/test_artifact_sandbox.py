@@ -132,20 +132,20 @@ def test_an_artifact_over_http_max_size_is_refused(tmp_path: Path) -> None:
     assert (task_dir / "local/m.gguf").read_bytes() == WEIGHTS
 
 
-def test_a_file_source_gets_nomads_answer_when_the_stand_ins_file_getter_is_off(tmp_path: Path) -> None:
+def test_a_file_source_gets_nomads_answer_unless_the_stand_ins_file_getter_is_on(tmp_path: Path) -> None:
     alloc_root, task_dir, env = dirs(tmp_path)
     model = tmp_path / "tiny.gguf"
     model.write_bytes(WEIGHTS)
-    config = parse_artifact_config({"file_getter": False}, "n")
     for source in (f"file://{model}", str(model)):
         artifact = {"GetterSource": source, "RelativeDest": "local/model/", "GetterMode": "any"}
         with pytest.raises(ArtifactError) as refused:
-            fetch_artifact(artifact, env, task_dir, alloc_root, config)
+            fetch_artifact(artifact, env, task_dir, alloc_root)
         assert str(refused.value) == (
             f'failed to download artifact "{source}": getter subprocess failed: exit status 1: '
             "failed to download artifact: download not supported for scheme 'file'"
         )
-    assert (fetch_artifact(artifact, env, task_dir, alloc_root) / "tiny.gguf").read_bytes() == WEIGHTS
+    config = parse_artifact_config({"file_getter": True}, "n")
+    assert (fetch_artifact(artifact, env, task_dir, alloc_root, config) / "tiny.gguf").read_bytes() == WEIGHTS
 
 
 @pytest.fixture

@@ -18,6 +18,7 @@ import pytest
 from devstack.nomad.artifacts import ArtifactError, fetch_artifact
 from devstack.nomad.client import ClientRunner
 from devstack.nomad.clock import Clock
+from devstack.nomad.getter import parse_artifact_config
 from devstack.nomad.state import StateStore
 from devstack.nomad.taskenv import TaskEnv
 from devstack.nomad.taskstate import RestartTracker
@@ -157,7 +158,18 @@ def tmp_alloc(harness: Harness, alloc_id: str) -> Path:
     return harness.tmp / "data" / "alloc" / alloc_id
 
 
+# A real client has no file getter; the stand-in's own (off by default) lets these tests drive
+# the artifact hook with local files instead of a server.
+FILE_GETTER = parse_artifact_config({"file_getter": True}, "test")
+
+
+def with_file_getter(harness: Harness) -> None:
+    for node_id in harness.store.nodes:
+        harness.client.artifact_configs[node_id] = FILE_GETTER
+
+
 async def test_file_artifact_is_copied_into_the_task_dir_before_start(harness: Harness) -> None:
+    with_file_getter(harness)
     model = harness.tmp / "models" / "tiny.gguf"
     model.parent.mkdir()
     model.write_bytes(b"GGUF-not-really")
@@ -177,6 +189,7 @@ async def test_file_artifact_is_copied_into_the_task_dir_before_start(harness: H
 
 
 async def test_a_missing_artifact_fails_the_task_after_its_restarts(harness: Harness) -> None:
+    with_file_getter(harness)
     missing = harness.tmp / "nowhere" / "tiny.gguf"
     task = raw_exec_task(
         "engine",
@@ -361,6 +374,7 @@ def test_artifact_modes_follow_go_getter(tmp_path: Path) -> None:
             env,
             task_dir,
             alloc_root,
+            FILE_GETTER,
         )
 
     assert fetch(src / "config.json", "local/exact.json", "file").read_text() == "{}"

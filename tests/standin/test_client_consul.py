@@ -192,16 +192,13 @@ def llama_job(model: Path) -> Json:
             "-m",
             "llama_cpp.server",
             "--model",
-            "${NOMAD_TASK_DIR}/model/tiny.gguf",
+            str(model),
             "--host",
             "127.0.0.1",
             "--port",
             "${NOMAD_PORT_http}",
             "--n_ctx",
             "256",
-        ],
-        Artifacts=[
-            {"GetterSource": f"file://{model}", "RelativeDest": "local/model/tiny.gguf", "GetterMode": "file"}
         ],
     )
     service = {
