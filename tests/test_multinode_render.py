@@ -172,7 +172,9 @@ def test_a_llama_cpp_replica_is_a_leader_and_shards_on_distinct_nodes_each_with_
     assert "${meta.llmgw_engines_dir}/llama.cpp/b6500/llama-server" in script
     assert f"--rpc ${{{RPC_SERVERS_VAR}}}" in script
     assert "-lt 2 ]" in script  # waits for both shards before it serves
-    assert leader_task["Artifacts"] and "Artifacts" not in shard_task
+    # The leader loads the file where it lies on its node (raw_exec); the shards load nothing.
+    assert "--model /srv/models/tiny.gguf" in script
+    assert "Artifacts" not in leader_task and "Artifacts" not in shard_task
     assert leader["Services"][0]["Checks"][0]["Path"] == "/health"
 
 

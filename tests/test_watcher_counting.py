@@ -153,14 +153,10 @@ def last_start(alloc: dict[str, Any]) -> int:
     return max(int(e["Time"]) for e in events if e["Type"] == "Started")
 
 
-def break_model(standin: Any, alloc_id: str, source: Path, kev: Path) -> None:
-    """The weights become an architecture llama.cpp does not know: at the source, and in the
-    allocation's own copy, which is what a restart in place loads."""
+def break_model(source: Path, kev: Path) -> None:
+    """The weights become an architecture llama.cpp does not know. The engine reads its
+    file:// source where it lies, so a restart in place loads the broken file."""
     shutil.copyfile(kev, source)
-    copies = list((standin.data_dir / "alloc" / alloc_id).rglob(source.name))
-    assert copies, f"no copy of {source.name} in the allocation's directory"
-    for copy in copies:
-        shutil.copyfile(kev, copy)
 
 
 def kill_engine(alloc_id: str) -> None:
@@ -170,9 +166,10 @@ def kill_engine(alloc_id: str) -> None:
             continue
         try:
             cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            environ = (proc / "environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if alloc_id in cmdline and "llama_cpp" in cmdline:
+        if f"NOMAD_ALLOC_ID={alloc_id}".encode() in environ and "llama_cpp" in cmdline:
             os.kill(int(proc.name), signal.SIGKILL)
             return
     raise AssertionError(f"no engine process for allocation {alloc_id}")
@@ -212,7 +209,7 @@ async def test_watchers_started_after_a_healthy_start_still_know_it_served(
     observer.healthy.add((alloc["ID"], last_start(alloc)))
 
     await world.stop(w1)  # no watcher at all from here until the first failure
-    break_model(world.standin, alloc["ID"], good, kev)
+    break_model(good, kev)
     kill_engine(alloc["ID"])
     await until(lambda: len(observer.failures) >= 1, 90, "the first failure", 0.1)
     w2 = await world.watcher()
@@ -253,7 +250,7 @@ async def test_more_than_ten_restarts_in_one_allocation_are_each_counted(
     observer = world.observe(model.job_id)
     observer.healthy.add((alloc["ID"], last_start(alloc)))
 
-    break_model(world.standin, alloc["ID"], good, kev)
+    break_model(good, kev)
     kill_engine(alloc["ID"])
     state = await until(world.parked, 240, "m parked", 0.1)
     await asyncio.sleep(1)

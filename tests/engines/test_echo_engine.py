@@ -85,7 +85,7 @@ def test_a_registered_engine_renders_its_own_task_and_readiness_check(echo: Engi
     (task,) = group["Tasks"]
     assert task["Driver"] == "raw_exec"
     assert task["Config"]["command"] == "${meta.llmgw_engines_dir}/echo/1.0/bin/echo-engine"
-    assert task["Config"]["args"][:4] == ["--model", "${NOMAD_TASK_DIR}/model/w.bin", "--name", "echo-tiny"]
+    assert task["Config"]["args"][:4] == ["--model", str(tmp_path / "w.bin"), "--name", "echo-tiny"]
     assert group["Services"][0]["Checks"][0]["Path"] == "/ready"
     assert group["Constraints"] == [
         {"LTarget": "${meta.llmgw_engine_echo}", "RTarget": VERSION, "Operand": "set_contains"}

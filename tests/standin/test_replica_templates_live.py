@@ -56,7 +56,6 @@ def wired_job() -> dict[str, Any]:
     job = render_replica_job(model, 0)
     leader, shards = job["TaskGroups"]
     task = leader["Tasks"][0]
-    task.pop("Artifacts")
     task["Config"] = {
         "command": "/bin/sh",
         "args": ["-c", 'echo "shards=$RPC_SERVERS"; exec sleep 1000'],
