@@ -90,22 +90,21 @@ def json_loads(
 
 
 def _depth(value: Any, limit: int) -> int:
-    """Nesting depth of a parsed value, without recursion; stops counting past `limit`."""
-    deepest = 0
-    stack: list[tuple[Any, int]] = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, dict):
-            children: Any = item.values()
-        elif isinstance(item, list):
-            children = item
-        else:
-            continue
-        deepest = max(deepest, depth)
-        if deepest > limit:
-            return deepest
-        stack.extend((child, depth + 1) for child in children)
-    return deepest
+    """Nesting depth of a parsed value, without recursion; stops counting past `limit`. Level by
+    level, keeping only containers: a Consul answer of 10,000 service instances is a million
+    values, and pushing each onto a stack cost twice as much (199 ms against 84)."""
+    level = [value] if isinstance(value, (dict, list)) else []
+    depth = 0
+    while level:
+        depth += 1
+        if depth > limit:
+            return depth
+        below: list[Any] = []
+        for item in level:
+            children = item.values() if type(item) is dict else item
+            below += [c for c in children if type(c) is dict or type(c) is list]
+        level = below
+    return depth
 
 
 # --- YAML -----------------------------------------------------------------------------------
