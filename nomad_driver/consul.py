@@ -23,6 +23,7 @@ import contextlib
 import json
 import os
 import ssl
+import time
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -153,6 +154,9 @@ class Consul:
         # Blocking reads hold a connection for their whole wait; a pool of their own keeps them
         # from starving the short writes the leader must make in time.
         self.max_connections = max_connections
+        # Seconds the last `kv_changes` or `health_changes` spent decoding what changed, on the
+        # event loop: set before it returns, with no await between, so its caller reads its own.
+        self.last_decode_s = 0.0
         self._http: aiohttp.ClientSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._finalizer: weakref.finalize[Any, Any] | None = None
@@ -269,10 +273,12 @@ class Consul:
             "GET", f"/v1/kv/{key}", params=params, wait_s=wait_s if index else None, ok=(200, 404)
         )
         new_index = self._index(resp, index)
+        self.last_decode_s = 0.0
         if index and new_index == index:
             return new_index, None
         if resp.status == 404:
             return new_index, []
+        started = time.perf_counter()
         raw = self._json(resp, f"kv {key}")
         if not isinstance(raw, list):
             raise ConsulUnavailable(f"consul kv {key}: expected a list, got {type(raw).__name__}")
@@ -286,6 +292,7 @@ class Consul:
                     str(item["Key"]), value, int(item.get("ModifyIndex") or 0), str(item.get("Session") or "")
                 )
             )
+        self.last_decode_s = time.perf_counter() - started
         return new_index, entries
 
     async def kv_put(
@@ -402,12 +409,16 @@ class Consul:
         resp = await self._call(
             "GET", f"/v1/health/service/{service}", params=params, wait_s=wait_s if index else None
         )
+        self.last_decode_s = 0.0
         if index and self._index(resp, index) == index:
             return index, None
+        started = time.perf_counter()
         data = self._json(resp, f"health {service}")
         if not isinstance(data, list):
             raise ConsulUnavailable(f"consul health {service}: expected a list")
-        return self._index(resp, index), [e for e in data if isinstance(e, dict)]
+        entries = [e for e in data if isinstance(e, dict)]
+        self.last_decode_s = time.perf_counter() - started
+        return self._index(resp, index), entries
 
     async def read_list(
         self,

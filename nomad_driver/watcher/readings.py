@@ -20,6 +20,7 @@ What a change touches:
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from math import inf
@@ -31,6 +32,8 @@ from nomad_driver.watcher.feeds import OTHER_JOBS, ByJob
 from nomad_driver.watcher.in_flight import asks, requests_in_flight, routers_change_at
 from nomad_driver.watcher.replicas import entry_model
 from nomad_driver.watcher.sightings import Passing, StartSightings
+
+log = logging.getLogger("llmgw.watcher")
 
 Everything = None  # a change that touches every model
 
@@ -143,8 +146,22 @@ class Readings:
             seen[sid] = (model, (svc.get("ModifyIndex") if isinstance(svc, dict) else None, marks))
         before = self._engine_seen
         self._engine_seen, self.engines_by_model, self._engines_indexed = seen, by_model, entries
-        touched = {m for sid, (m, fp) in seen.items() if before.get(sid) != (m, fp)}
-        touched |= {m for sid, (m, _) in before.items() if sid not in seen}
+        moved = [sid for sid, mark in seen.items() if before.get(sid) != mark]
+        gone = [sid for sid in before if sid not in seen]
+        touched = {seen[sid][0] for sid in moved} | {before[sid][0] for sid in gone}
+        # Consul answers the service whole (15 MB at 10,000 instances): say what moved, so a
+        # read that changed nothing, or a wave, can be traced to its cause (debug: one a read).
+        example = moved[0] if moved else gone[0] if gone else ""
+        log.debug(
+            "event=engines_changed instances=%d changed=%d gone=%d models=%d e.g.=%r was=%r now=%r",
+            len(seen),
+            len(moved),
+            len(gone),
+            len(touched),
+            example,
+            before.get(example),
+            seen.get(example),
+        )
         return touched
 
     # The indexes a pass builds views from

@@ -19,12 +19,39 @@ from nomad_driver.nomad import JOB_PREFIX, Nomad, NomadError
 
 # The collections the watcher reads.
 
+# Consul answers a prefix or a service whole: at 10,000 models the engines' answer is 15 MB, half
+# a second of the event loop to decode, and a crash loop changes it twice a start. After a read
+# that changed, a watch rests this many times what its decoding took, so a busy collection takes
+# at most a quarter of the loop and passes keep the rest (the park at 10,000 models waited behind
+# back-to-back decodes). A small answer decodes in a millisecond and rests three.
+REST_PER_DECODE = 3.0
+
+
+class Paced:
+    """The rest a watch owes before its next read, from what its last read cost to decode."""
+
+    def __init__(self, consul: Consul) -> None:
+        self.consul = consul
+        self.owed_s = 0.0
+
+    async def rest(self) -> None:
+        if self.owed_s > 0:
+            await asyncio.sleep(self.owed_s)
+
+    def decoded(self) -> None:
+        """Right after the read returned: `Consul.last_decode_s` is still this read's."""
+        self.owed_s = self.consul.last_decode_s * REST_PER_DECODE
+
 
 def kv_fetch(
     consul: Consul, prefix: str, wait_s: float
 ) -> Callable[[int], Awaitable[tuple[int, dict[str, KVEntry]]]]:
+    paced = Paced(consul)
+
     async def fetch(index: int) -> tuple[int, dict[str, KVEntry]]:
+        await paced.rest()
         new_index, entries = await consul.kv_changes(prefix, recurse=True, index=index, wait_s=wait_s)
+        paced.decoded()
         # Unchanged (None): the watch keeps its reading at this index, whatever is returned.
         return new_index, {e.key: e for e in entries or ()}
 
@@ -34,8 +61,12 @@ def kv_fetch(
 def engines_fetch(
     consul: Consul, service: str, wait_s: float
 ) -> Callable[[int], Awaitable[tuple[int, tuple[dict[str, Any], ...]]]]:
+    paced = Paced(consul)
+
     async def fetch(index: int) -> tuple[int, tuple[dict[str, Any], ...]]:
+        await paced.rest()
         new_index, entries = await consul.health_changes(service, index=index, wait_s=wait_s)
+        paced.decoded()
         return new_index, tuple(entries or ())
 
     return fetch
