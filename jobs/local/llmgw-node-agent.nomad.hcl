@@ -62,6 +62,10 @@ job "llmgw-node-agent" {
           "--listen", "127.0.0.1:${NOMAD_PORT_metrics}",
           "--node-id", "${node.unique.id}",
           "--engines-dir", "${meta.llmgw_engines_dir}",
+          # Each node's own weights cache where the fleet declares one (devstack up --s3 gives
+          # each GPU node its own, as its llmgw-weights host volume): without it the agent
+          # published /opt/llmgw/models over it, and the fetch wrote there instead.
+          "--models-dir", "${meta.llmgw_models_dir}",
           "--fabric", "${meta.llmgw_fabric}",
           "--interval", "5",
         ]

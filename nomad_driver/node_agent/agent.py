@@ -42,16 +42,25 @@ log = logging.getLogger("llmgw.node_agent")
 Meta = dict[str, str | None]
 
 
+DEFAULT_MODELS_DIR = Path("/opt/llmgw/models")
+
+
 @dataclass
 class NodeAgentConfig:
     engines_dir: Path = Path("/opt/llmgw/engines")
-    models_dir: Path = Path("/opt/llmgw/models")
+    models_dir: Path = DEFAULT_MODELS_DIR
     fabric: str = ""
     gpu_class: str = ""  # overrides the class derived from the GPU name
     node_id: str = ""  # empty: the node of the Nomad agent we talk to
     nomad_addr: str = field(default_factory=lambda: os.environ.get("NOMAD_ADDR", "http://127.0.0.1:4646"))
     nomad_token: str = field(default_factory=lambda: os.environ.get("NOMAD_TOKEN", ""))
     interval_s: float = 15.0
+
+    def __post_init__(self) -> None:
+        # `--models-dir ${meta.llmgw_models_dir}` (the node's own cache, as a jobspec may pass
+        # it) arrives as that literal text on a node that does not set it: the default, then.
+        if str(self.models_dir).startswith("${"):
+            self.models_dir = DEFAULT_MODELS_DIR
 
 
 @dataclass

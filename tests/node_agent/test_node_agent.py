@@ -34,7 +34,8 @@ def make_agent(tmp_path: Path, nvml: FakeNVML | None, **config: object) -> NodeA
             raise ImportError("libnvidia-ml.so.1: cannot open shared object file")
         return nvml
 
-    cfg = NodeAgentConfig(engines_dir=tmp_path / "engines", models_dir=tmp_path / "models", **config)  # type: ignore[arg-type]
+    config = {"engines_dir": tmp_path / "engines", "models_dir": tmp_path / "models", **config}
+    cfg = NodeAgentConfig(**config)  # type: ignore[arg-type]
     return NodeAgent(cfg, nvml_loader=loader)  # type: ignore[arg-type]
 
 
@@ -183,6 +184,14 @@ def test_an_uninterpolated_fabric_is_not_published(tmp_path: Path) -> None:
     # Nomad leaves `${meta.llmgw_fabric}` as literal text on a node that does not set it.
     agent = make_agent(tmp_path, two_h100s(), fabric="${meta.llmgw_fabric}")
     assert "llmgw_fabric" not in build_meta(agent.inventory(), agent.config)
+
+
+def test_an_uninterpolated_models_dir_is_the_default_one(tmp_path: Path) -> None:
+    # The dev stack's jobspec passes `--models-dir ${meta.llmgw_models_dir}`, the node's own
+    # cache, which a node that does not set it leaves as literal text: publishing that would
+    # send every fetch to a directory named "${meta...}".
+    agent = make_agent(tmp_path, two_h100s(), models_dir=Path("${meta.llmgw_models_dir}"))
+    assert build_meta(agent.inventory(), agent.config)["llmgw_models_dir"] == "/opt/llmgw/models"
 
 
 def test_publishing_uses_nomads_tls_variables(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
