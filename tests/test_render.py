@@ -14,6 +14,7 @@ import hcl2
 import pytest
 
 from nomad_driver.engines import gpu_check
+from nomad_driver.fetch.prefetch import NotFetched, render_prefetch_job
 from nomad_driver.hcl import job_to_hcl
 from nomad_driver.node_meta import engine_meta_key
 from nomad_driver.render import (
@@ -264,6 +265,11 @@ def test_a_file_for_vllm_is_copied_into_the_nodes_cache_by_llmgws_fetch() -> Non
     assert "Artifacts" not in engine
     args = engine["Config"]["args"]
     assert args[args.index("--model") + 1] == "${meta.llmgw_models_dir}/local-gguf/w.gguf"
+
+
+def test_prefetch_says_a_file_read_in_place_has_nothing_to_fetch() -> None:
+    with pytest.raises(NotFetched, match=r"read where it lies on the node\); nothing to prefetch"):
+        render_prefetch_job(DEV_MODELS.models["tiny"])
 
 
 def test_a_directory_on_the_node_is_refused_for_vllm_with_what_to_do() -> None:

@@ -60,13 +60,11 @@ def weights_of(model: Model) -> Weights:
     """Where the engine finds the model's weights: the node's cache for a fetched source, the
     path itself for a file the engine sees where it lies, otherwise what weights.py says (an
     artifact, or a name vLLM resolves itself)."""
+    if fetched(model):
+        name = parse_source(model.source, env={}).file_name
+        return Weights(model_arg=f"{interpolated(MODELS_DIR_KEY)}/{model.name}/{name}", artifact=None)
     path = local_path(model.source)
-    if path is not None and not fetched(model):
-        return Weights(model_arg=path, artifact=None)
-    if not fetched(model):
-        return weights_for(model.source)
-    name = parse_source(model.source, env={}).file_name
-    return Weights(model_arg=f"{interpolated(MODELS_DIR_KEY)}/{model.name}/{name}", artifact=None)
+    return Weights(model_arg=path, artifact=None) if path is not None else weights_for(model.source)
 
 
 def credentials_template(model: Model) -> dict[str, Any]:
