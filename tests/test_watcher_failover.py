@@ -81,6 +81,10 @@ def test_killing_the_leader_hands_over_without_losing_or_rewriting_state(
     metrics = requests.get(f"{url}/metrics", timeout=2).text
     assert "llmgw_leader 1.0" in metrics
     assert 'llmgw_model_parked{model="crash"} 1.0' in metrics
+    # And `llmgw watcher` ran those passes with what they left alive frozen out of the
+    # collector's full walks (watcher/heap.py): a program's modules alone are 100,000 objects.
+    health = requests.get(f"{url}/healthz", timeout=2).json()
+    assert health["gc_frozen_objects"] > 10_000, health
 
 
 def test_a_stopped_leader_hands_over_at_once(watchers: list[Any]) -> None:

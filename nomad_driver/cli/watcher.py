@@ -164,6 +164,7 @@ def watcher(
             leader_ttl_s=leader_ttl,
             scale_up_window_s=scale_up_window,
             scale_step_interval_s=scale_step_interval,
+            freeze_heap=True,
         )
         w = Watcher(consul, Nomad(), config)
         await w.start()

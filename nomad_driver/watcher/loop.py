@@ -37,6 +37,7 @@ from nomad_driver.watcher.evaluations import EvaluationFeed
 from nomad_driver.watcher.feeds import AllocationFeed, JobFeed, _Feed
 from nomad_driver.watcher.fenced import FencedStates
 from nomad_driver.watcher.health import Entry, HealthEntries
+from nomad_driver.watcher.heap import HeldHeap
 from nomad_driver.watcher.in_flight import (
     INFLIGHT_FORGET_AFTER_S,
     forget_gone_routers,
@@ -83,6 +84,9 @@ class WatcherConfig:
     # count changes at most once per step interval (`watcher/scaling.py`).
     scale_up_window_s: float = DEFAULT_UP_WINDOW_S
     scale_step_interval_s: float = DEFAULT_STEP_INTERVAL_S
+    # Freeze what a pass leaves alive out of the collector's full walks (`heap.py`): the
+    # process's own choice, made by `llmgw watcher`, not by a program that embeds a watcher.
+    freeze_heap: bool = False
 
 
 class Watcher:
@@ -160,6 +164,7 @@ class Watcher:
         self._verify_skips = verify_file()
         self.last_pass_cpu_s = 0.0
         self.last_full_pass_cpu_s = 0.0
+        self.heap = HeldHeap(self.config.freeze_heap)
         self._tasks: list[asyncio.Task[None]] = []
         self._executor: ThreadPoolExecutor | None = None
         self._apply_lock = asyncio.Lock()
@@ -282,6 +287,7 @@ class Watcher:
         for feed in (self.alloc_feed, self.job_feed, self.eval_feed):
             feed.close()
         await self.leadership.resign()
+        self.heap.release()
         if self._executor is not None:
             # Nomad long polls still held in its threads end on their own, within their wait;
             # the event loop need not wait for them to close (it would, for up to that wait,
@@ -351,8 +357,10 @@ class Watcher:
         cpu, full_passes = time.process_time(), self.marks.full_passes
         await self._pass(now)
         self.last_pass_cpu_s = time.process_time() - cpu
-        if self.marks.full_passes != full_passes:
+        full = self.marks.full_passes != full_passes
+        if full:
             self.last_full_pass_cpu_s = self.last_pass_cpu_s
+        self.heap.after_pass(full)
 
     async def _pass(self, now: float) -> bool:
         """One pass over the models marked for it; whether it did all it had to (what it left
