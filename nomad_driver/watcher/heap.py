@@ -29,7 +29,6 @@ log = logging.getLogger("llmgw.watcher")
 class HeldHeap:
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
-        self.collections = 0  # full collections run here, at full passes
         self.last_collected = 0  # what the last of them found unreachable
 
     def after_pass(self, full: bool) -> None:
@@ -39,7 +38,6 @@ class HeldHeap:
             gc.unfreeze()
             started = time.process_time()
             self.last_collected = gc.collect()
-            self.collections += 1
             log.debug(
                 "event=heap_collected unreachable=%d cpu_ms=%.0f",
                 self.last_collected,
