@@ -28,14 +28,14 @@ async def test_after_a_read_that_changed_the_next_waits_three_times_its_decoding
         rest_s = REST_PER_DECODE * consul.last_decode_s
 
         await consul.kv_put(f"{prefix}0000", "changed")
-        started = time.monotonic()
         _, seen = await quiet(index)
-        quiet_s = time.monotonic() - started
         started = time.monotonic()
         _, seen_late = await busy(index)
         busy_s = time.monotonic() - started
         assert seen[f"{prefix}0000"].value == seen_late[f"{prefix}0000"].value == b"changed"
-        # The same read, the same answer: the busy loop's took its rest longer.
-        assert busy_s - quiet_s >= 0.5 * rest_s > 0, (busy_s, quiet_s, rest_s)
+        # The busy loop rested its whole due before it read, and then decoded. Compared with the
+        # rest plus this read's own decoding, not with the quiet loop's read: on two loaded cores
+        # one decode of 8 MB took from 0.16 to 0.32 s, and a difference of two reads was noise.
+        assert rest_s > 0 and busy_s >= rest_s + consul.last_decode_s, (busy_s, rest_s, consul.last_decode_s)
     finally:
         await consul.close()
