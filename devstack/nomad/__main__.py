@@ -93,8 +93,11 @@ async def _serve(args: argparse.Namespace, data_dir: Path) -> None:
     app = make_app(server, args.listen, event_heartbeat_s=args.event_heartbeat)
     if args.acl_bootstrap_token:
         acl_http.enable(app, args.acl_bootstrap_token)
-    # Open log-follow and event streams must not hold the exit up for aiohttp's default minute.
-    runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=2.0)
+    # Open log-follow and event streams and clients' long polls must not hold the exit up: aiohttp
+    # waits its grace twice (the site's stop, then the server's), and at 2 s a watcher's open
+    # long poll made every exit take 4 s. What is in flight is dropped, as a Nomad agent that
+    # exits drops it.
+    runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=0.25)
     await runner.setup()
     tls = None
     if args.tls_cert:
