@@ -216,7 +216,7 @@ async def test_a_park_that_nomad_refuses_is_not_stored_as_parked(
     is asked again on the next pass."""
     model = parse_models(MODELS).models["stuck"]
     standin, consul, _, watcher = await watcher_on_standin(
-        consul_url, start_standin, MODELS, ident="park-refused", clock_speed=1.0
+        consul_url, start_standin, MODELS, ident="park-refused", clock_speed=20.0
     )
     # Someone set the group's scaling minimum to 2 in Nomad: the scale to 0 is refused.
     job = mock_job(model, 2)
@@ -356,7 +356,9 @@ async def test_a_nomad_that_fails_for_now_is_no_condition_and_is_logged_once(
 
     app = web.Application()
     app.router.add_route("*", "/{path:.*}", proxy)
-    runner = web.AppRunner(app)
+    # A watcher's long poll may still be in the proxy when the test ends; the default 60 s
+    # shutdown grace would wait it out.
+    runner = web.AppRunner(app, shutdown_timeout=1.0)
     await runner.setup()
     port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
