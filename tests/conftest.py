@@ -7,13 +7,16 @@ skip as quiet anyway and writes down any model whose decision came out different
 (`nomad_driver/watcher/quiet.py`); one such line fails the run, whichever test it came from."""
 
 import json
+import logging
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from nomad_driver.logs import LogfmtFormatter
 from nomad_driver.watcher.quiet import VERIFY_ENV
 
 pytest_plugins = [
@@ -49,6 +52,21 @@ EXTERNAL_FIXTURES = frozenset(
         "closing_engine",
     }
 )
+
+
+@pytest.fixture(autouse=True)
+def _no_log_handler_outlives_its_test() -> Iterator[None]:
+    """A command run in-process (`llmgw watcher` through CliRunner) sets the root logger up as
+    the process it would be, on a stderr the runner closes when it returns. Left in place, it
+    made each later log line of that worker a `--- Logging error ---` traceback in the run's
+    output."""
+    root = logging.getLogger()
+    level = root.level
+    yield
+    for handler in root.handlers[:]:
+        if isinstance(handler.formatter, LogfmtFormatter):
+            root.removeHandler(handler)
+    root.setLevel(level)
 
 
 def pytest_configure(config: pytest.Config) -> None:
