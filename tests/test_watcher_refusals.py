@@ -216,7 +216,7 @@ async def test_a_park_that_nomad_refuses_is_not_stored_as_parked(
     is asked again on the next pass."""
     model = parse_models(MODELS).models["stuck"]
     standin, consul, _, watcher = await watcher_on_standin(
-        consul_url, start_standin, MODELS, ident="park-refused", clock_speed=20.0
+        consul_url, start_standin, MODELS, ident="park-refused", clock_speed=1.0
     )
     # Someone set the group's scaling minimum to 2 in Nomad: the scale to 0 is refused.
     job = mock_job(model, 2)
