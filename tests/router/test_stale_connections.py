@@ -62,6 +62,13 @@ class RawEngine:
         # Ends when stop() stops the loop.
         with contextlib.suppress(RuntimeError):
             self.loop.run_until_complete(server.serve_forever())
+        # End the connections' handlers on this loop, and close it: left pending, one was
+        # finalized in a later test's garbage collection and warned of a closed loop.
+        pending = asyncio.all_tasks(self.loop)
+        for task in pending:
+            task.cancel()
+        self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        self.loop.close()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         on_connection = 0
