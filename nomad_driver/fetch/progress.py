@@ -66,9 +66,9 @@ async def read_one(nomad: Nomad, alloc: Mapping[str, Any]) -> dict[str, Any] | N
     left out rather than holding up the answer) or shows no progress yet."""
     alloc_id = str(alloc.get("ID") or "")
     try:
-        tail = await asyncio.wait_for(
-            asyncio.to_thread(nomad.log_tail, alloc_id, FETCH_TASK, "stdout"), READ_TIMEOUT_S
-        )
+        # Not wait_for, which on Python 3.11 can lose a cancel that comes as the read finishes.
+        async with asyncio.timeout(READ_TIMEOUT_S):
+            tail = await asyncio.to_thread(nomad.log_tail, alloc_id, FETCH_TASK, "stdout")
     except (NomadError, TimeoutError):
         return None
     parsed = last_progress(tail)

@@ -59,10 +59,11 @@ class EngineErrors:
             patience = loop.time() + 0.5
             while True:
                 try:
-                    stderr = await asyncio.wait_for(
-                        asyncio.to_thread(self.nomad.stderr_tail, alloc_id, task),
-                        timeout=max(0.1, deadline - loop.time()),
-                    )
+                    # asyncio.timeout, not wait_for: on Python 3.11 wait_for returns a read that
+                    # finished as a cancel came and loses the cancel, and Watcher.stop() then
+                    # waited on this pass forever.
+                    async with asyncio.timeout(max(0.1, deadline - loop.time())):
+                        stderr = await asyncio.to_thread(self.nomad.stderr_tail, alloc_id, task)
                 except (NomadError, TimeoutError) as exc:
                     log.warning(
                         "event=stderr_unavailable model=%s alloc=%s error=%r fallback=task_event",
